@@ -1,0 +1,112 @@
+"""The communication ledger: what this rank really sent through its communicator.
+
+Every collective that goes through a :class:`~zero_core.communicator.Communicator` is
+recorded here, once, by the communicator base class — so quantized payloads and their
+scales are counted as the bytes they are, not as the fp32 they stand for.
+
+``sent_bytes`` is what this rank puts on the wire under a bandwidth-optimal algorithm
+(ring / pairwise exchange), the same convention nccl-tests use for bus bandwidth:
+
+=================  ====================================  (n = group size, B = bytes)
+all_gather_into    (n-1) * B_in        every rank sends its shard to n-1 peers
+reduce_scatter     (n-1)/n * B_in      it sends n-1 of its n chunks once
+all_reduce         2 (n-1)/n * B       reduce-scatter then all-gather
+all_to_all_single  (n-1)/n * B_in      everything but the chunk it keeps
+broadcast          B on the source, 0 elsewhere (pipelined trees forward it, but the
+                   source's send is the one that counts once per byte)
+barrier            0
+=================  ====================================
+
+A group "spans nodes" when its ranks sit on more than one node of the topology; its
+bytes are counted as inter-node. That is the link class ZeRO++'s claims are about.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    op: str
+    group: str
+    dtype: str
+    payload_bytes: int   # bytes of the tensor handed to the collective (input side)
+    sent_bytes: int      # bytes this rank sends, by the table above
+    inter_node: bool
+
+
+def sent_bytes(op: str, group_size: int, payload_bytes: int, is_source: bool = False) -> int:
+    """Bytes one rank sends for *op* on a group of *group_size* ranks (see module docstring)."""
+    n = group_size
+    if n <= 1 or op == "barrier":
+        return 0
+    if op == "all_gather_into":
+        return (n - 1) * payload_bytes
+    if op in ("reduce_scatter", "all_to_all_single"):
+        return (n - 1) * payload_bytes // n
+    if op == "all_reduce":
+        return 2 * (n - 1) * payload_bytes // n
+    if op == "broadcast":
+        return payload_bytes if is_source else 0
+    raise ValueError(f"unknown collective {op!r}")
+
+
+class CommLedger:
+    """Per-rank record of collectives. Thread-safe: async ops may record from helpers."""
+
+    def __init__(self, keep_entries: int = 0):
+        self._lock = threading.Lock()
+        self._keep = keep_entries
+        self.entries: list[LedgerEntry] = []
+        self._totals: dict[tuple[str, bool], list[int]] = defaultdict(lambda: [0, 0, 0])
+
+    def record(self, entry: LedgerEntry) -> None:
+        with self._lock:
+            t = self._totals[(entry.op, entry.inter_node)]
+            t[0] += 1
+            t[1] += entry.payload_bytes
+            t[2] += entry.sent_bytes
+            if self._keep and len(self.entries) < self._keep:
+                self.entries.append(entry)
+
+    def snapshot(self) -> dict:
+        """Totals so far: ``{"ops": {op: {"calls", "payload_bytes", "sent_bytes",
+        "inter_node_bytes", "intra_node_bytes"}}, "sent_bytes", "inter_node_bytes",
+        "intra_node_bytes"}``."""
+        with self._lock:
+            ops: dict[str, dict[str, int]] = {}
+            for (op, inter), (calls, payload, sent) in self._totals.items():
+                d = ops.setdefault(op, dict(calls=0, payload_bytes=0, sent_bytes=0,
+                                            inter_node_bytes=0, intra_node_bytes=0))
+                d["calls"] += calls
+                d["payload_bytes"] += payload
+                d["sent_bytes"] += sent
+                d["inter_node_bytes" if inter else "intra_node_bytes"] += sent
+        return {
+            "ops": ops,
+            "sent_bytes": sum(d["sent_bytes"] for d in ops.values()),
+            "inter_node_bytes": sum(d["inter_node_bytes"] for d in ops.values()),
+            "intra_node_bytes": sum(d["intra_node_bytes"] for d in ops.values()),
+        }
+
+    @staticmethod
+    def difference(after: dict, before: dict) -> dict:
+        """What happened between two snapshots (for per-step reports)."""
+        ops = {}
+        for op, d in after["ops"].items():
+            b = before["ops"].get(op, {})
+            ops[op] = {k: v - b.get(k, 0) for k, v in d.items()}
+        ops = {op: d for op, d in ops.items() if d["calls"]}
+        return {
+            "ops": ops,
+            "sent_bytes": after["sent_bytes"] - before["sent_bytes"],
+            "inter_node_bytes": after["inter_node_bytes"] - before["inter_node_bytes"],
+            "intra_node_bytes": after["intra_node_bytes"] - before["intra_node_bytes"],
+        }
+
+    def reset(self) -> None:
+        with self._lock:
+            self._totals.clear()
+            self.entries.clear()

@@ -1,0 +1,122 @@
+"""The process-wide runtime: launch info, topology, accelerator, communicator, kernels.
+
+``init_distributed()`` is called by ``zero_core.initialize`` and may be called directly.
+It is idempotent: the first call decides, later calls return the same runtime (and
+refuse conflicting arguments).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import registry as _registry
+from .accelerator import Accelerator
+from .communicator import Communicator
+from .errors import ConfigError
+from .kernels import KernelSet
+from .launch import LaunchInfo, discover
+from .rendezvous import ensure_master_addr
+from .topology import Topology, resolve_ranks_per_node
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Runtime:
+    launch: LaunchInfo
+    topology: Topology
+    accelerator: Accelerator
+    comm: Communicator
+    kernels: KernelSet
+    device: torch.device
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+
+_RUNTIME: Runtime | None = None
+
+
+def comm_timeout(value: float | None = None) -> float:
+    """Collective timeout in seconds: *value*, else ZERO_CORE_COMM_TIMEOUT, else 300."""
+    if value is None:
+        env = os.environ.get("ZERO_CORE_COMM_TIMEOUT")
+        if env:
+            try:
+                value = float(env)
+            except ValueError:
+                raise ConfigError(f"ZERO_CORE_COMM_TIMEOUT={env!r} is not a number of seconds") from None
+    value = DEFAULT_TIMEOUT_S if value is None else float(value)
+    if value <= 0:
+        raise ConfigError(f"comm_timeout={value} must be a positive number of seconds")
+    return value
+
+
+def init_torch_distributed(launch: LaunchInfo, backend: str, timeout: float, device=None) -> None:
+    """Initialize torch.distributed (if not yet) with *backend*, rendezvousing through the
+    launcher; used by the torch.distributed communicators and, with gloo, alongside any
+    other communicator so that user code calling torch.distributed keeps working."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    ensure_master_addr(launch)
+    kwargs = {}
+    if device is not None and device.type != "cpu":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend=backend, init_method="env://", rank=launch.rank,
+                            world_size=launch.world_size,
+                            timeout=datetime.timedelta(seconds=timeout), **kwargs)
+
+
+def init_distributed(accelerator: str | None = None, comm_backend: str | None = None,
+                     timeout: float | None = None, ranks_per_node: int | None = None) -> Runtime:
+    """Pick the accelerator and communicator (config → environment → auto-detect), connect
+    to the peers, and return the process-wide :class:`Runtime`."""
+    global _RUNTIME
+    if _RUNTIME is not None:
+        rt = _RUNTIME
+        if accelerator and accelerator != rt.accelerator.name:
+            raise ConfigError(f"accelerator {accelerator!r} asked for, but this process already "
+                              f"runs on {rt.accelerator.name!r}; use one accelerator per process")
+        if comm_backend and comm_backend != rt.comm.name:
+            raise ConfigError(f"comm_backend {comm_backend!r} asked for, but this process already "
+                              f"communicates through {rt.comm.name!r}; use one per process")
+        return rt
+    reg = _registry.load()
+    launch = discover()
+    acc_cls = reg.accelerator_class(accelerator)
+    acc = acc_cls()
+    comm_cls = reg.communicator_class(comm_backend, default=acc.default_comm_for(launch))
+    topology = resolve_ranks_per_node(launch.world_size, launch.local_world_size, ranks_per_node)
+    acc.set_device(launch.local_rank)
+    device = acc.device(launch.local_rank)
+    comm = comm_cls(launch, topology, timeout=comm_timeout(timeout))
+    # user scripts and libraries expect torch.distributed to answer get_rank()/barrier()
+    init_torch_distributed(launch, "gloo", comm.timeout)
+    kernels = reg.kernel_set(acc.kernel_set)
+    _RUNTIME = Runtime(launch, topology, acc, comm, kernels, device)
+    return _RUNTIME
+
+
+def get_runtime() -> Runtime:
+    """The runtime made by :func:`init_distributed` (which it calls with defaults if needed)."""
+    return _RUNTIME if _RUNTIME is not None else init_distributed()
+
+
+def shutdown() -> None:
+    """Tear down the communicator and torch.distributed (for tests and clean exits)."""
+    global _RUNTIME
+    import torch.distributed as dist
+    if _RUNTIME is not None:
+        _RUNTIME.comm.shutdown()
+        _RUNTIME = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
