@@ -6,7 +6,10 @@ PMIx, Slurm; with none of them set we are a single process.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
+
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -25,45 +28,98 @@ class LaunchInfo:
         return self.launcher in ("openmpi", "mpich", "pmix")
 
 
-def _int(env, key, default=None):
+_REQUIRED = object()
+
+
+def _int(env, key, default=_REQUIRED):
+    """Integer value of *key*; *default* when unset (a missing required key is an error)."""
     value = env.get(key)
     if value is None or value == "":
+        if default is _REQUIRED:
+            raise ConfigError(f"environment variable {key} is not set although the other "
+                              f"variables of its launcher are; launch through the launcher "
+                              f"itself or set {key} too")
         return default
     try:
         return int(value)
-    except ValueError as exc:
-        raise ValueError(f"environment variable {key}={value!r} is not an integer") from exc
+    except ValueError:
+        raise ConfigError(f"environment variable {key}={value!r} is not an integer; "
+                          f"fix or unset it (it is read to find this process's rank)") from None
+
+
+def _slurm_tasks_on_node(env, world: int) -> int:
+    """Tasks on this rank's node under Slurm.
+
+    ``SLURM_NTASKS_PER_NODE`` is only set with ``--ntasks-per-node``; the always-present
+    ``SLURM_TASKS_PER_NODE`` is a compressed per-node list such as ``"2(x3),1"`` (three
+    nodes with 2 tasks, then one with 1), indexed by ``SLURM_NODEID``.
+    """
+    explicit = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    if explicit.isdigit():
+        return int(explicit)
+    counts: list[int] = []
+    for item in filter(None, env.get("SLURM_TASKS_PER_NODE", "").split(",")):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if m is None:
+            return world  # unknown format: treat the job as one node rather than guess
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if not counts:
+        return world
+    node = _int(env, "SLURM_NODEID", 0)
+    return counts[node] if 0 <= node < len(counts) else counts[0]
+
+
+def _checked(info: LaunchInfo, variables: str) -> LaunchInfo:
+    """Refuse launcher values that cannot describe a real job (e.g. a stale RANK)."""
+    if not (info.world_size >= 1 and 0 <= info.rank < info.world_size
+            and 1 <= info.local_world_size <= info.world_size
+            and 0 <= info.local_rank < info.local_world_size):
+        raise ConfigError(
+            f"{info.launcher} launch variables are inconsistent: rank={info.rank}, "
+            f"world_size={info.world_size}, local_rank={info.local_rank}, local_world_size="
+            f"{info.local_world_size} (need 0 <= rank < world_size and 0 <= local_rank < "
+            f"local_world_size <= world_size). Check or unset {variables}.")
+    return info
 
 
 def discover(env: dict | None = None) -> LaunchInfo:
-    """Read the launcher's environment variables (``os.environ`` unless *env* is given)."""
+    """Read the launcher's environment variables (``os.environ`` unless *env* is given).
+
+    Raises :class:`~zero_core.errors.ConfigError` (a ValueError) when a variable is not
+    an integer or the values are inconsistent.
+    """
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         world = _int(env, "WORLD_SIZE")
-        return LaunchInfo(_int(env, "RANK"), world, _int(env, "LOCAL_RANK", 0),
-                          _int(env, "LOCAL_WORLD_SIZE", world), "torchrun")
+        return _checked(LaunchInfo(_int(env, "RANK"), world, _int(env, "LOCAL_RANK", 0),
+                                   _int(env, "LOCAL_WORLD_SIZE", world), "torchrun"),
+                        "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE")
     if "OMPI_COMM_WORLD_RANK" in env:
         world = _int(env, "OMPI_COMM_WORLD_SIZE")
-        return LaunchInfo(_int(env, "OMPI_COMM_WORLD_RANK"), world,
-                          _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
-                          _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world), "openmpi")
+        return _checked(LaunchInfo(_int(env, "OMPI_COMM_WORLD_RANK"), world,
+                                   _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+                                   _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world), "openmpi"),
+                        "OMPI_COMM_WORLD_*")
     if "PMI_RANK" in env:
         world = _int(env, "PMI_SIZE")
-        return LaunchInfo(_int(env, "PMI_RANK"), world, _int(env, "MPI_LOCALRANKID", 0),
-                          _int(env, "MPI_LOCALNRANKS", world), "mpich")
+        return _checked(LaunchInfo(_int(env, "PMI_RANK"), world, _int(env, "MPI_LOCALRANKID", 0),
+                                   _int(env, "MPI_LOCALNRANKS", world), "mpich"),
+                        "PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS")
     if "PMIX_RANK" in env:
         # PMIx alone does not export the job size; Open MPI 5 sets OMPI_* alongside it, and
         # other PMIx launchers set PMIX_SIZE or Slurm's variables.
-        world = _int(env, "PMIX_SIZE", _int(env, "SLURM_NTASKS"))
+        world = _int(env, "PMIX_SIZE", _int(env, "SLURM_NTASKS", None))
         if world is None:
-            raise ValueError("PMIX_RANK is set but the job size is not: set PMIX_SIZE "
-                             "(or launch with mpirun / srun, which export it)")
-        return LaunchInfo(_int(env, "PMIX_RANK"), world,
-                          _int(env, "PMIX_LOCAL_RANK", _int(env, "SLURM_LOCALID", 0)),
-                          _int(env, "PMIX_LOCAL_SIZE", world), "pmix")
+            raise ConfigError("PMIX_RANK is set but the job size is not: set PMIX_SIZE "
+                              "(or launch with mpirun / srun, which export it)")
+        return _checked(LaunchInfo(_int(env, "PMIX_RANK"), world,
+                                   _int(env, "PMIX_LOCAL_RANK", _int(env, "SLURM_LOCALID", 0)),
+                                   _int(env, "PMIX_LOCAL_SIZE",
+                                        _slurm_tasks_on_node(env, world)), "pmix"),
+                        "PMIX_RANK, PMIX_SIZE, PMIX_LOCAL_RANK, PMIX_LOCAL_SIZE")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = _int(env, "SLURM_NTASKS")
-        local_size = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        return LaunchInfo(_int(env, "SLURM_PROCID"), world, _int(env, "SLURM_LOCALID", 0),
-                          int(local_size) if local_size.isdigit() else world, "slurm")
+        return _checked(LaunchInfo(_int(env, "SLURM_PROCID"), world, _int(env, "SLURM_LOCALID", 0),
+                                   _slurm_tasks_on_node(env, world), "slurm"),
+                        "SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_TASKS_PER_NODE")
     return LaunchInfo(0, 1, 0, 1, "single")
