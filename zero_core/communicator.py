@@ -132,8 +132,8 @@ class Communicator(ABC):
         self.world_size = launch.world_size
         self.ledger = CommLedger()
         self._groups: dict[str, Group] = {}
+        self._group_counter = 0  # before _init_world: a backend may make groups there
         self.world: Group = self._init_world()
-        self._group_counter = 0
 
     # ---- backend hooks -------------------------------------------------------------
     @abstractmethod
