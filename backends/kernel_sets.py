@@ -1,0 +1,194 @@
+"""The built-in kernel sets, wired to ``zero_core.accel_kernels`` by module path.
+
+=========  ==================================================================================
+set        backed by (first that is present)
+=========  ==================================================================================
+reference  ``accel_kernels.optim_reference`` — pure torch, any device
+cpu        ``accel_kernels.optim_cpu``; else the reference kernels
+cuda       ``accel_kernels.optim_triton`` when triton is installed; else torch's own fused
+           ops (``torch._fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_``)
+xpu        as cuda (Triton has an XPU backend; torch's fused ops have XPU kernels)
+hpu        ``accel_kernels.optim_hpu`` (meant to wrap Habana's fused optimizers,
+           ``habana_frameworks.torch.hpex.optimizers.FusedAdamW`` / ``FusedSGD``); else the
+           reference kernels, which Habana's bridge runs as ordinary torch ops on the card
+=========  ==================================================================================
+
+Each KernelSet's ``info`` names the functions that back it and, for a fallback, why;
+``zero-core report`` prints it. Modules that need a vendor library (triton,
+habana_frameworks) are only located here and imported on the first call, so registering
+the kernel sets costs nothing on machines without that library.
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import torch
+
+from zero_core.errors import PluginError
+from zero_core.kernels import KernelSet
+
+from .accelerators import module_present
+
+PACKAGE = "zero_core.accel_kernels"
+
+# Module names of the kernel families, one place to change if a kernel module is renamed.
+REFERENCE = f"{PACKAGE}.optim_reference"
+CPU = f"{PACKAGE}.optim_cpu"
+TRITON = f"{PACKAGE}.optim_triton"
+HPU = f"{PACKAGE}.optim_hpu"
+CHECKS = f"{PACKAGE}.optim_checks"
+
+TORCH_FUSED = "torch fused ops (torch._fused_adam_ / torch._fused_adamw_ / torch._fused_sgd_)"
+
+
+class LazyKernel:
+    """A kernel function named by module path, imported on its first call.
+
+    Used for modules that import a vendor library at their top (triton, habana), so that
+    the library is loaded only when a job really steps an optimizer with it.
+    """
+
+    def __init__(self, module: str, function: str):
+        self.module, self.function = module, function
+        self._fn = None
+
+    def resolve(self):
+        """Import the module and return the function (raises ImportError with context)."""
+        if self._fn is None:
+            try:
+                self._fn = getattr(importlib.import_module(self.module), self.function)
+            except (ImportError, AttributeError) as exc:
+                raise PluginError(f"kernel {self.module}.{self.function} could not be loaded "
+                                  f"({type(exc).__name__}: {exc}); install the library it "
+                                  f"needs or select another kernel set") from exc
+        return self._fn
+
+    def __call__(self, *args, **kwargs):
+        return self.resolve()(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<lazy kernel {self.module}.{self.function}>"
+
+
+def _import_kernels(module: str):
+    """Import a pure-torch kernel module now: (module, None), or (None, why not)."""
+    if not module_present(module):
+        return None, f"{module} does not exist yet"
+    try:
+        return importlib.import_module(module), None
+    except Exception as exc:  # a bug in a kernel module must not take the registry down
+        why = f"{module} failed to import ({type(exc).__name__}: {exc})"
+        warnings.warn(f"zero-core: {why}; falling back to the reference kernels",
+                      RuntimeWarning, stacklevel=2)
+        return None, why
+
+
+def _summary(module) -> str:
+    """The first line of a kernel module's docstring: what its authors say it is."""
+    doc = (module.__doc__ or "").strip()
+    return doc.splitlines()[0].rstrip(".") if doc else module.__name__
+
+
+def _names(module: str) -> dict:
+    return {"adam_step": f"{module}.adam_step", "sgd_step": f"{module}.sgd_step"}
+
+
+# ---- torch's fused optimizer ops, adapted to the kernel signatures of zero_core.kernels ---
+def _checks():
+    return importlib.import_module(CHECKS)
+
+
+def torch_fused_adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps,
+                          weight_decay, step, adamw, bias_correction=True, param_lowp=None):
+    """Adam/AdamW through ``torch._fused_adam_`` / ``torch._fused_adamw_`` (one fused pass
+    on CUDA, XPU and CPU). Those ops always bias-correct, so ``bias_correction=False``
+    runs the reference kernel instead. *lr* in parameter units per step; *step* 1-based."""
+    if not bias_correction:
+        return importlib.import_module(REFERENCE).adam_step(
+            param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, step=step, adamw=adamw, bias_correction=False,
+            param_lowp=param_lowp)
+    _checks().check_adam_args(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1,
+                              beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+                              param_lowp=param_lowp)
+    op = torch._fused_adamw_ if adamw else torch._fused_adam_
+    # the op reads the step count (after this update) from a float tensor on the device
+    step_t = torch.tensor(float(step), dtype=torch.float32, device=param.device)
+    op([param], [grad], [exp_avg], [exp_avg_sq], [], [step_t], lr=float(lr),
+       beta1=float(beta1), beta2=float(beta2), weight_decay=float(weight_decay),
+       eps=float(eps), amsgrad=False, maximize=False)
+    if param_lowp is not None:
+        param_lowp.copy_(param)
+
+
+def torch_fused_sgd_step(param, grad, momentum_buffer, *, lr, momentum, dampening,
+                         weight_decay, nesterov, first_step, param_lowp=None):
+    """SGD (torch.optim.SGD semantics) through ``torch._fused_sgd_``; *momentum_buffer*
+    is ignored (may be None) when momentum is 0."""
+    _checks().check_sgd_args(param, grad, momentum_buffer, lr=lr, momentum=momentum,
+                             dampening=dampening, weight_decay=weight_decay,
+                             nesterov=nesterov, param_lowp=param_lowp)
+    buffers = [momentum_buffer] if momentum != 0 else []
+    torch._fused_sgd_([param], [grad], buffers, weight_decay=float(weight_decay),
+                      momentum=float(momentum), lr=float(lr), dampening=float(dampening),
+                      nesterov=bool(nesterov), maximize=False, is_first_step=bool(first_step))
+    if param_lowp is not None:
+        param_lowp.copy_(param)
+
+
+def _torch_fused_available() -> bool:
+    return all(hasattr(torch, op) for op in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_"))
+
+
+# ---- the sets ------------------------------------------------------------------------------
+def _reference_set(name: str, reference, **info) -> KernelSet:
+    info = {"implementation": "reference (pure torch)", **_names(REFERENCE), **info}
+    return KernelSet(name, reference.adam_step, reference.sgd_step, info=info)
+
+
+def _device_set(name: str, reference) -> KernelSet:
+    """The cuda/xpu set: Triton kernels when present, else torch's fused ops."""
+    if module_present(TRITON) and module_present("triton"):
+        return KernelSet(name, LazyKernel(TRITON, "adam_step"), LazyKernel(TRITON, "sgd_step"),
+                         info={"implementation": "triton", **_names(TRITON)})
+    why = (f"{TRITON} does not exist yet" if not module_present(TRITON)
+           else "triton is not installed (pip install 'zero-core[triton]')")
+    if _torch_fused_available():
+        return KernelSet(name, torch_fused_adam_step, torch_fused_sgd_step, info={
+            "implementation": TORCH_FUSED,
+            "adam_step": f"{__name__}.torch_fused_adam_step",
+            "sgd_step": f"{__name__}.torch_fused_sgd_step",
+            "why_not_triton": why,
+            "note": "bias_correction=False runs the reference Adam (the fused ops always correct)"})
+    return _reference_set(name, reference, fallback_reason=f"{why}; torch {torch.__version__} "
+                          f"has no fused optimizer ops")
+
+
+def builtin_kernel_sets() -> list[KernelSet]:
+    """The kernel sets the built-in plugin contributes: reference, cpu, cuda, xpu, hpu."""
+    reference, why = _import_kernels(REFERENCE)
+    if reference is None:
+        raise PluginError(f"the reference optimizer kernels cannot be loaded: {why}. They are "
+                          f"part of zero-core itself: reinstall it (pip install -e .)")
+    sets = [_reference_set("reference", reference)]
+
+    cpu, why = _import_kernels(CPU)
+    if cpu is not None:
+        sets.append(KernelSet("cpu", cpu.adam_step, cpu.sgd_step,
+                              info={"implementation": _summary(cpu), **_names(CPU)}))
+    else:
+        sets.append(_reference_set("cpu", reference, fallback_reason=why))
+
+    sets.append(_device_set("cuda", reference))
+    sets.append(_device_set("xpu", reference))
+
+    if module_present(HPU):
+        sets.append(KernelSet("hpu", LazyKernel(HPU, "adam_step"), LazyKernel(HPU, "sgd_step"),
+                              info={"implementation": "Habana fused ops", **_names(HPU)}))
+    else:
+        sets.append(_reference_set(
+            "hpu", reference,
+            fallback_reason=f"{HPU} does not exist yet; the reference kernels run as "
+                            f"ordinary torch ops on the card through Habana's bridge"))
+    return sets
