@@ -1,0 +1,220 @@
+"""Loss scaling for fp16 training, with DeepSpeed's semantics.
+
+fp16 gradients underflow to zero when the loss is small, so the loss is multiplied by a
+scale before backward and the gradients are divided by it before the optimizer step. A
+*dynamic* scale starts high (``2**initial_scale_power``) and adapts:
+
+* on an overflow (any inf/NaN gradient, see :func:`has_overflow`) the step is skipped by the
+  engine; the scaler first spends its *hysteresis* (``fp16.hysteresis`` overflows are
+  tolerated without changing the scale), and once only one is left each overflow halves the
+  scale, never below ``min_loss_scale``. An overflow while already at ``min_loss_scale`` with
+  no hysteresis left raises :class:`LossScaleUnderflowError` (DeepSpeed stops the run there
+  too: the gradients are inf/NaN at any scale it may use).
+* after ``loss_scale_window`` good steps counted from the step *after* the last overflow the
+  scale doubles and the hysteresis is refilled. As in DeepSpeed, this means the scale grows on
+  the (window+1)-th consecutive good step since the last overflow (or since the start), then
+  every ``window`` good steps.
+* with ``consecutive_hysteresis`` the hysteresis is refilled on every good step, so only
+  ``hysteresis`` overflows *in a row* lower the scale.
+
+A *static* scale (``fp16.loss_scale > 0``) never changes.
+
+The engine calls ``update(overflow)`` once per optimizer step (after the overflow check,
+whose result must be the same on every rank) and multiplies the loss by ``scale``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from .errors import ConfigError, ZeroCoreError
+
+__all__ = ["DynamicLossScaler", "StaticLossScaler", "LossScaleUnderflowError", "has_overflow",
+           "overflow_flag", "build_loss_scaler"]
+
+
+class LossScaleUnderflowError(ZeroCoreError, FloatingPointError):
+    """Gradients overflowed while the dynamic loss scale was already at its minimum."""
+
+
+def overflow_flag(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
+    """A 0-dim float32 tensor: 1.0 if any of *tensors* holds an inf or NaN, else 0.0.
+
+    Stays on the tensors' device without a host sync, so that the engine can all-reduce it
+    (MAX) across ranks before deciding. ``None`` entries (parameters without gradients) are
+    skipped; with no tensors the flag is 0.0 on the CPU.
+    """
+    flag = None
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        bad = torch.logical_not(torch.isfinite(t).all())
+        flag = bad if flag is None else torch.logical_or(flag, bad.to(flag.device))
+    if flag is None:
+        return torch.zeros((), dtype=torch.float32)
+    return flag.to(torch.float32)
+
+
+def has_overflow(tensors: Iterable[torch.Tensor | None]) -> bool:
+    """True if any of *tensors* (None entries skipped) holds an inf or NaN value."""
+    return bool(overflow_flag(tensors).item())
+
+
+class StaticLossScaler:
+    """A fixed loss scale (DeepSpeed's ``fp16.loss_scale > 0``); ``update`` changes nothing."""
+
+    dynamic = False
+
+    def __init__(self, scale: float):
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+                or not math.isfinite(scale) or scale <= 0:
+            raise ConfigError(f"fp16.loss_scale={scale!r}: a static loss scale must be a finite "
+                              f"number > 0 (use 0 for dynamic scaling)")
+        self._scale = float(scale)
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale (multiplier of the loss)."""
+        return self._scale
+
+    loss_scale = scale  # DeepSpeed's attribute name
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """*loss* multiplied by the current scale."""
+        return loss * self._scale
+
+    def update(self, overflow: bool) -> None:
+        """Nothing to adapt; the engine still skips the step when *overflow* is True."""
+
+    def state_dict(self) -> dict:
+        """The scale, for checkpoints."""
+        return {"type": "static", "scale": self._scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from :meth:`state_dict` (refuses a dynamic scaler's state)."""
+        if state.get("type", "static") != "static":
+            raise ConfigError(f"cannot load a {state.get('type')!r} loss-scaler state into a static "
+                              f"scaler: the checkpoint used dynamic loss scaling (fp16.loss_scale "
+                              f"0); use the same fp16 settings as when it was saved")
+        self._scale = float(state["scale"])
+
+
+class DynamicLossScaler:
+    """DeepSpeed's dynamic loss scale (see the module docstring for the rules).
+
+    Arguments: ``initial_scale`` (the first scale, ``2**initial_scale_power``),
+    ``scale_window`` (good steps between increases), ``min_scale`` (> 0, the floor),
+    ``hysteresis`` (>= 1, overflows absorbed before the scale drops),
+    ``consecutive_hysteresis`` (refill the hysteresis on every good step), ``scale_factor``
+    (2 in DeepSpeed), ``raise_error_at_min_scale`` (raise on an overflow at the floor).
+    """
+
+    dynamic = True
+
+    def __init__(self, initial_scale: float = 2.0 ** 16, scale_window: int = 1000,
+                 min_scale: float = 1.0, hysteresis: int = 2, consecutive_hysteresis: bool = False,
+                 scale_factor: float = 2.0, raise_error_at_min_scale: bool = True):
+        def positive(name, value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{name}={value!r}: expected a finite number > 0")
+
+        def count(name, value):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r}: expected an integer >= 1")
+
+        positive("fp16 initial loss scale", initial_scale)
+        positive("fp16.min_loss_scale", min_scale)
+        count("fp16.loss_scale_window", scale_window)
+        count("fp16.hysteresis", hysteresis)
+        if not isinstance(scale_factor, (int, float)) or not scale_factor > 1:
+            raise ConfigError(f"scale_factor={scale_factor!r}: expected a number > 1")
+        if initial_scale < min_scale:
+            raise ConfigError(f"initial loss scale {initial_scale:g} is below fp16.min_loss_scale "
+                              f"{min_scale:g}: raise fp16.initial_scale_power or lower "
+                              f"fp16.min_loss_scale")
+        self.scale_window = scale_window
+        self.min_scale = float(min_scale)
+        self.hysteresis = hysteresis
+        self.consecutive_hysteresis = bool(consecutive_hysteresis)
+        self.scale_factor = float(scale_factor)
+        self.raise_error_at_min_scale = bool(raise_error_at_min_scale)
+        self._scale = float(initial_scale)
+        self.hysteresis_left = hysteresis
+        self.good_steps = 0      # consecutive non-overflow updates since the last overflow
+        self.steps = 0           # updates so far
+        self.overflows = 0       # overflowed (skipped) updates so far
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale (multiplier of the loss)."""
+        return self._scale
+
+    loss_scale = scale  # DeepSpeed's attribute name
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """*loss* multiplied by the current scale."""
+        return loss * self._scale
+
+    def update(self, overflow: bool) -> None:
+        """Adapt the scale after one optimizer step; *overflow* says whether its gradients held
+        an inf/NaN (the step was skipped)."""
+        if overflow:
+            self.overflows += 1
+            self.good_steps = 0
+            if self.hysteresis_left <= 1:
+                if self._scale <= self.min_scale and self.raise_error_at_min_scale:
+                    raise LossScaleUnderflowError(
+                        f"fp16 gradients overflowed at the minimum loss scale {self.min_scale:g} "
+                        f"(step {self.steps}): the loss or gradients are inf/NaN at any scale. "
+                        f"Check the data and learning rate, lower fp16.min_loss_scale, or train "
+                        f"in bf16")
+                self._scale = max(self._scale / self.scale_factor, self.min_scale)
+            else:
+                self.hysteresis_left -= 1
+        else:
+            self.good_steps += 1
+            if self.consecutive_hysteresis:
+                self.hysteresis_left = self.hysteresis
+            # DeepSpeed counts the window from the step after the last overflow: the scale
+            # grows when good_steps - 1 is a positive multiple of the window.
+            stable = self.good_steps - 1
+            if stable > 0 and stable % self.scale_window == 0:
+                self.hysteresis_left = self.hysteresis
+                self._scale *= self.scale_factor
+        self.steps += 1
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue the same scale sequence after a restart."""
+        return {"type": "dynamic", "scale": self._scale, "hysteresis_left": self.hysteresis_left,
+                "good_steps": self.good_steps, "steps": self.steps, "overflows": self.overflows}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from :meth:`state_dict`. The window/hysteresis settings come from the
+        config, not the checkpoint."""
+        if state.get("type", "dynamic") != "dynamic":
+            raise ConfigError(f"cannot load a {state.get('type')!r} loss-scaler state into a "
+                              f"dynamic scaler: the checkpoint used a static fp16.loss_scale; use "
+                              f"the same fp16 settings as when it was saved")
+        self._scale = float(state["scale"])
+        self.hysteresis_left = int(state["hysteresis_left"])
+        self.good_steps = int(state["good_steps"])
+        self.steps = int(state.get("steps", 0))
+        self.overflows = int(state.get("overflows", 0))
+
+
+def build_loss_scaler(fp16) -> DynamicLossScaler | StaticLossScaler:
+    """The scaler an :class:`~zero_core.config.FP16Config` describes: static when
+    ``loss_scale > 0``, else dynamic from ``2**initial_scale_power``. It does not look at
+    ``enabled``: the engine uses no scaler for fp32/bf16."""
+    if fp16.loss_scale > 0:
+        return StaticLossScaler(fp16.loss_scale)
+    return DynamicLossScaler(
+        initial_scale=float(2.0 ** fp16.initial_scale_power),
+        scale_window=fp16.loss_scale_window,
+        min_scale=fp16.min_loss_scale,
+        hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=getattr(fp16, "consecutive_hysteresis", False),
+    )
