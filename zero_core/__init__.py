@@ -8,3 +8,4 @@ Public API (DeepSpeed-compatible names)::
 __version__ = "0.1.0"
 
 from .runtime import get_runtime, init_distributed  # noqa: E402,F401
+from .engine import ZeroEngine, initialize  # noqa: E402,F401

@@ -1,0 +1,316 @@
+"""The ZeRO stage 0–2 training engine and ``initialize`` (DeepSpeed's entry point).
+
+One optimizer step, at a gradient-accumulation boundary:
+
+1. backward hooks have reduced each bucket's gradient (see grad_reducer.py); wait for them;
+2. one all_reduce of this rank's sum of squared gradients gives the global norm — and,
+   since inf/NaN survive the sum, the fp16 overflow flag, identical on every rank;
+3. on overflow the step is skipped and the loss scale lowered; otherwise gradients are
+   multiplied once by ``1/loss_scale × clip coefficient`` and the partitioned optimizer
+   updates this rank's slice and all-gathers the new values (partitioned_optimizer.py).
+
+The ``1/(world_size · gradient_accumulation_steps)`` of averaging is folded into the loss
+before backward, so reductions are plain sums and no pass over the gradients is spent on it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import Config, parse_config
+from .errors import ConfigError, ZeroCoreError
+from .grad_reducer import GradReducer
+from .group_buffers import GroupBuffers
+from .launch import discover
+from .ledger import CommLedger
+from .loss_scaler import build_loss_scaler
+from .memory import MemoryLedger, model_state_breakdown, optimizer_k
+from .model_sync import broadcast_buffers, check_parameters_match
+from .optimizer_spec import collect_param_groups, rule_from_config, rule_from_torch_optimizer
+from .partitioned_optimizer import PartitionedOptimizer
+from .runtime import Runtime, init_distributed
+
+
+class ZeroEngine(torch.nn.Module):
+    """Wraps *model* for data-parallel ZeRO training (stages 0, 1, 2). Build it with
+    :func:`initialize`."""
+
+    def __init__(self, model: torch.nn.Module, config: Config, runtime: Runtime,
+                 optimizer=None, model_parameters=None, lr_scheduler=None):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.module = model
+        self.config = config
+        self.runtime = runtime
+        self.comm = runtime.comm
+        self.global_rank = runtime.rank
+        self.local_rank = runtime.launch.local_rank
+        self.world_size = runtime.world_size
+        self.device = runtime.device
+        self.stage = config.zero_optimization.stage
+        self.compute_dtype = config.compute_dtype
+        self.gradient_accumulation_steps = config.gradient_accumulation_steps
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: float | None = None
+        self.memory_ledger = MemoryLedger()
+
+        optimizer = self._resolve_user_optimizer(optimizer, model_parameters, model)
+        rule = (rule_from_torch_optimizer(optimizer, self.stage) if optimizer is not None
+                else rule_from_config(config.optimizer))
+        groups = collect_param_groups(model, model_parameters, optimizer)
+
+        model.to(self.device)
+        broadcast_buffers(model, self.comm)
+        check_parameters_match(model, self.comm)
+        self._build_buffers(model, groups)
+
+        hyper_groups = optimizer.param_groups if optimizer is not None else groups
+        self.optimizer = PartitionedOptimizer(
+            hyper_groups, rule, self._buffers, runtime.kernels, self.comm, self.stage,
+            self.memory_ledger, self.zero_grad)
+        self._rule = rule
+        self.reducer = GradReducer(
+            [gb for gb in self._buffers if gb is not None], self.comm, self.stage,
+            config.zero_optimization.overlap_comm, self._registration,
+            self.is_gradient_accumulation_boundary,
+            on_allocate=lambda t: self.memory_ledger.track("communication_buffers", t))
+        self.reducer.register_hooks()
+        self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
+        self.lr_scheduler = self._resolve_scheduler(lr_scheduler)
+        self._comm_mark = self.comm.ledger.snapshot()
+        self._last_comm = CommLedger.difference(self._comm_mark, self._comm_mark)
+
+    # ---- construction ---------------------------------------------------------------------
+    @staticmethod
+    def _resolve_user_optimizer(optimizer, model_parameters, model):
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        if callable(optimizer):  # DeepSpeed also accepts a factory: params -> optimizer
+            params = model_parameters if model_parameters is not None else model.parameters()
+            made = optimizer(params)
+            if isinstance(made, torch.optim.Optimizer):
+                return made
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer (or a callable "
+                          f"returning one), got {type(optimizer).__name__}")
+
+    def _build_buffers(self, model, groups):
+        self._registration = {}
+        for p in model.parameters():
+            self._registration.setdefault(id(p), len(self._registration))
+        trainable_ids = set()
+        per_group = []
+        for g in groups:
+            ps = [p for p in g["params"] if p.requires_grad]
+            # reverse registration order: the order backward produces gradients
+            ps.sort(key=lambda p: -self._registration[id(p)])
+            per_group.append(ps)
+            trainable_ids.update(id(p) for p in ps)
+        if not trainable_ids:
+            raise ConfigError("no trainable parameters: every parameter passed has "
+                              "requires_grad=False (or model_parameters is empty)")
+        values = [[p.detach().float() for p in ps] for ps in per_group]
+        if self.compute_dtype != torch.float32:
+            # frozen parameters and floating buffers compute in the low precision too
+            model.to(self.compute_dtype)
+        zc = self.config.zero_optimization
+        self._buffers: list[GroupBuffers | None] = []
+        for ps, vals in zip(per_group, values):
+            self._buffers.append(None if not ps else GroupBuffers(
+                ps, self.stage, self.compute_dtype, self.device, self.global_rank,
+                self.world_size, zc.reduce_bucket_size, self.memory_ledger, vals))
+        del values
+        for p in model.parameters():
+            if id(p) not in trainable_ids:
+                self.memory_ledger.track("frozen_parameters", p.data)
+        for b in model.buffers():
+            self.memory_ledger.track("buffers", b)
+
+    def _resolve_scheduler(self, lr_scheduler):
+        if lr_scheduler is not None:
+            if self.config.scheduler is not None:
+                raise ConfigError("a 'scheduler' section in the config and lr_scheduler= were "
+                                  "both given; keep one")
+            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+                return lr_scheduler(self.optimizer)
+            return lr_scheduler
+        if self.config.scheduler is not None:
+            from .lr_schedules import build_scheduler
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        return None
+
+    # ---- training API -----------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        """Run the model. In bf16/fp16 training, floating-point tensor arguments are cast to
+        the compute dtype (integer inputs such as token ids are left alone)."""
+        if self.compute_dtype != torch.float32:
+            args = tuple(self._cast(a) for a in args)
+            kwargs = {k: self._cast(v) for k, v in kwargs.items()}
+        return self.module(*args, **kwargs)
+
+    def _cast(self, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.compute_dtype:
+            return x.to(self.compute_dtype)
+        return x
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backpropagate *loss* (this rank's mean over its micro-batch). Gradients are
+        scaled by the fp16 loss scale and by 1/gradient_accumulation_steps."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ZeroCoreError("engine.backward(loss) needs a scalar loss tensor; reduce it "
+                                "first (e.g. loss.mean())")
+        factor = self.loss_scale / (self.gradient_accumulation_steps * self.world_size)
+        (loss.float() * factor).backward(retain_graph=retain_graph)
+        self.reducer.flush()
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next ``step()`` applies an optimizer update."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """End of a micro-step: apply the update at gradient-accumulation boundaries."""
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step()
+        self.micro_steps += 1
+
+    def _optimizer_step(self):
+        self.reducer.flush()
+        self.reducer.wait_all()
+        present = [gb for gb in self._buffers if gb is not None]
+        norms = [torch.linalg.vector_norm(t, dtype=torch.float32)
+                 for gb in present for t in gb.reduced_grad_tensors()]
+        sumsq = torch.stack(norms).double().square().sum().reshape(1)
+        if self.stage > 0 and self.world_size > 1:
+            self.comm.all_reduce(sumsq, "sum")
+        sumsq = float(sumsq.item())
+        scale = self.loss_scale
+        if self.loss_scaler is not None:
+            overflow = not math.isfinite(sumsq)
+            self.loss_scaler.update(overflow)
+            if overflow:
+                self.skipped_steps += 1
+                self._global_grad_norm = float("inf")
+                self._finish_step(stepped=False)
+                return
+        norm = math.sqrt(sumsq) / scale
+        factor = 1.0 / scale
+        clip = self.config.gradient_clipping
+        if clip > 0 and math.isfinite(norm):
+            # torch.nn.utils.clip_grad_norm_'s coefficient
+            factor *= min(1.0, clip / (norm + 1e-6))
+        self.optimizer.grad_factor = factor
+        self.optimizer.step()
+        self._global_grad_norm = norm
+        self._finish_step(stepped=True)
+
+    def _finish_step(self, stepped: bool):
+        self.zero_grad()
+        if stepped and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        now = self.comm.ledger.snapshot()
+        self._last_comm = CommLedger.difference(now, self._comm_mark)
+        self._comm_mark = now
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (the engine does this after every update)."""
+        for gb in self._buffers:
+            if gb is not None:
+                gb.zero_grads()
+        self.reducer.mark_fresh()
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # ---- reports ------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return float(self.loss_scaler.scale) if self.loss_scaler is not None else 1.0
+
+    def get_lr(self) -> list[float]:
+        """Learning rate of every parameter group."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """L2 norm of the (unscaled, unclipped) averaged gradient at the last step; inf if
+        that step overflowed; None before the first step."""
+        return self._global_grad_norm
+
+    @property
+    def num_parameters(self) -> int:
+        """Trainable parameters (Ψ), without padding."""
+        return sum(gb.layout.numel for gb in self._buffers if gb is not None)
+
+    @property
+    def padding_elements(self) -> int:
+        """Padding elements across all flat buffers of trainable parameters."""
+        return sum(gb.layout.padded_numel - gb.layout.numel
+                   for gb in self._buffers if gb is not None)
+
+    def memory_report(self) -> dict:
+        """Bytes per rank: the engine's own allocations by category (``ledger``), DESIGN
+        §4's formula for the same model (``formula``; None for optimizers without a known
+        per-parameter state size) and the accelerator's allocated/peak bytes."""
+        formula = None
+        if self._rule.kind in ("adam", "sgd"):
+            momentum = any(float(g.get("momentum", 0.0)) for g in self.optimizer.param_groups)
+            k = optimizer_k(self._rule.kind, momentum)
+            formula = model_state_breakdown(self.stage, self.num_parameters, self.world_size,
+                                            self.config.precision, k)
+            formula["model_states"] = sum(formula.values())
+        acc = self.runtime.accelerator
+        return {"ledger": self.memory_ledger.report(), "formula": formula,
+                "num_parameters": self.num_parameters, "padding_elements": self.padding_elements,
+                "accelerator": {"allocated": acc.memory_allocated(),
+                                "peak": acc.max_memory_allocated()}}
+
+    def comm_report(self) -> dict:
+        """What this rank sent during the last optimizer step (all its micro-steps): by
+        operation, sent bytes, inter-/intra-node bytes (CommLedger.difference format)."""
+        return self._last_comm
+
+    def destroy(self) -> None:
+        """Remove the backward hooks (the model keeps its current values)."""
+        self.reducer.remove_hooks()
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, config_params=None):
+    """Build a :class:`ZeroEngine`; returns ``(engine, optimizer, None, lr_scheduler)`` like
+    ``deepspeed.initialize``. *config*: dict, path to a JSON file, or Config."""
+    if model is None:
+        raise ConfigError("initialize() needs model=<torch.nn.Module>")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "zero_config", None)
+    if training_data is not None:
+        raise ConfigError("training_data= is not supported yet: build a DataLoader with a "
+                          "DistributedSampler (rank=engine.global_rank, "
+                          "num_replicas=engine.world_size) and pass training_data=None")
+    if mpu is not None:
+        raise ConfigError("mpu= (model parallelism) is not supported: zero-core is data "
+                          "parallel only; pass mpu=None")
+    cfg = parse_config(config, discover().world_size)
+    runtime = init_distributed(cfg.accelerator, cfg.comm_backend, cfg.comm_timeout,
+                               cfg.topology.ranks_per_node)
+    if cfg.optimizer is None and optimizer is None:
+        raise ConfigError("no optimizer: add an 'optimizer' section to the config (e.g. "
+                          "{'type': 'AdamW', 'params': {'lr': 1e-3}}) or pass optimizer=")
+    if cfg.optimizer is not None and optimizer is not None:
+        raise ConfigError("an 'optimizer' section in the config and optimizer= were both "
+                          "given; keep one")
+    engine = ZeroEngine(model, cfg, runtime, optimizer=optimizer,
+                        model_parameters=model_parameters, lr_scheduler=lr_scheduler)
+    return engine, engine.optimizer, None, engine.lr_scheduler
