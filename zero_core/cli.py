@@ -248,7 +248,7 @@ def format_report(report: dict) -> str:
             lines.append("  (none)")
         for item in items:
             mark = "yes" if item["available"] else "no "
-            head = f"  [{mark}] {item['name']:<10} from {item['package']} ({item['plugin']})"
+            head = f"  [{mark}] {item['name']:<14} from {item['package']} ({item['plugin']})"
             lines.append(head + (f"  {describe(item)}" if item["available"] else ""))
             if not item["available"]:
                 lines.append(f"        not available: {item['why_not']}")
