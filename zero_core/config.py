@@ -16,57 +16,56 @@ would be valid. Nothing is silently defaulted or ignored:
 Supported keys
 --------------
 
-=================================================  ===========  =================================
-key                                                default      meaning / valid values
-=================================================  ===========  =================================
-train_batch_size                                   derived      micro × accumulation × world size
-train_micro_batch_size_per_gpu                     derived / 1  samples per rank per forward
-gradient_accumulation_steps                        derived / 1  micro-batches per optimizer step
-gradient_clipping                                  0.0          max global L2 grad norm, 0 = off
-steps_per_print                                    10           >= 1
-wall_clock_breakdown                               false        bool
-fp16.enabled                                       false        bool (not together with bf16)
-fp16.loss_scale                                    0.0          0 = dynamic, > 0 = static scale
-fp16.initial_scale_power                           16           dynamic scale starts at 2**power
-fp16.loss_scale_window                             1000         good steps before the scale x2
-fp16.hysteresis                                    2            overflows tolerated before /2
-fp16.consecutive_hysteresis                        false        refill hysteresis on a good step
-fp16.min_loss_scale                                1.0          > 0, floor of the dynamic scale
-bf16.enabled  (also spelled ``bfloat16``)          false        bool
-optimizer.type                                     (required)   Adam | AdamW | SGD (any case)
-optimizer.params.lr                                1e-3         >= 0
-optimizer.params.betas            (Adam, AdamW)    [0.9,0.999]  two numbers in [0, 1)
-optimizer.params.eps              (Adam, AdamW)    1e-8         > 0
-optimizer.params.weight_decay                      0.0          >= 0
-optimizer.params.adam_w_mode      (Adam, AdamW)    true         decoupled decay (AdamW); the
-                                                                DeepSpeed default for "Adam" too
-optimizer.params.bias_correction  (Adam, AdamW)    true         bool
-optimizer.params.torch_adam       (Adam, AdamW)    false        accepted, no effect
-optimizer.params.momentum         (SGD)            0.0          >= 0
-optimizer.params.dampening        (SGD)            0.0          >= 0
-optimizer.params.nesterov         (SGD)            false        needs momentum > 0, dampening 0
-scheduler.type                                     (required)   WarmupLR | WarmupDecayLR |
-                                                                WarmupCosineLR
-scheduler.params.warmup_min_lr    (WarmupLR, -Decay) 0.0        lr at step 0 (number or list)
-scheduler.params.warmup_max_lr    (WarmupLR)       optimizer lr lr after warmup (number or list)
-scheduler.params.warmup_max_lr    (WarmupDecayLR)  0.001        lr after warmup (number or list)
-scheduler.params.warmup_num_steps                  1000         >= 1 (at least 2 are used)
-scheduler.params.warmup_type                       "log"        "log" | "linear"
-scheduler.params.total_num_steps  (-Decay, -Cosine) (required)  >= 1
-scheduler.params.warmup_min_ratio (WarmupCosineLR) 0.0          in [0, 1], × optimizer lr
-scheduler.params.cos_min_ratio    (WarmupCosineLR) 1e-4         in [0, 1], × optimizer lr
-scheduler.params.last_batch_iteration              -1           >= -1 (resume position)
-zero_optimization.stage                            0            0, 1 or 2 (3 not yet)
-zero_optimization.reduce_bucket_size               5e8          elements, >= 1
-zero_optimization.allgather_bucket_size            5e8          elements, >= 1
-zero_optimization.overlap_comm                     true         bool
-zero_optimization.contiguous_gradients             true         bool
-zero_optimization.reduce_scatter                   true         bool
-accelerator                        (zero-core)     null         "cpu", "cuda", "hpu", ... or null
-comm_backend                       (zero-core)     null         "gloo", "mpi", "nccl", ... or null
-comm_timeout                       (zero-core)     null         seconds > 0, or null
-topology.ranks_per_node            (zero-core)     null         divisor of the world size, or null
-=================================================  ===========  =================================
+================================================================  ============  ==========================================
+key                                                               default       meaning / valid values
+================================================================  ============  ==========================================
+train_batch_size                                                  derived       micro × accumulation × world size
+train_micro_batch_size_per_gpu                                    derived / 1   samples per rank per forward
+gradient_accumulation_steps                                       derived / 1   micro-batches per optimizer step
+gradient_clipping                                                 0.0           max global L2 grad norm; 0 = off
+steps_per_print                                                   10            integer >= 1
+wall_clock_breakdown                                              false         bool
+fp16.enabled                                                      false         bool (not together with bf16)
+fp16.loss_scale                                                   0.0           0 = dynamic, > 0 = static scale
+fp16.initial_scale_power                                          16            dynamic scale starts at 2**power
+fp16.loss_scale_window                                            1000          good steps before the scale doubles
+fp16.hysteresis                                                   2             overflows absorbed before halving
+fp16.consecutive_hysteresis                                       false         refill hysteresis on each good step
+fp16.min_loss_scale                                               1.0           > 0, floor of the dynamic scale
+bf16.enabled (also spelled ``bfloat16``)                          false         bool
+optimizer.type                                                    required      Adam | AdamW | SGD (any case)
+optimizer.params.lr                                               1e-3          >= 0
+optimizer.params.betas (Adam, AdamW)                              [0.9, 0.999]  two numbers in [0, 1)
+optimizer.params.eps (Adam, AdamW)                                1e-8          > 0
+optimizer.params.weight_decay                                     0.0           >= 0
+optimizer.params.adam_w_mode (Adam, AdamW)                        true          decoupled decay; DeepSpeed's default
+                                                                                for "Adam" too; false is refused for AdamW
+optimizer.params.bias_correction (Adam, AdamW)                    true          bool
+optimizer.params.torch_adam (Adam, AdamW)                         false         accepted, no effect
+optimizer.params.momentum (SGD)                                   0.0           >= 0
+optimizer.params.dampening (SGD)                                  0.0           >= 0
+optimizer.params.nesterov (SGD)                                   false         needs momentum > 0, dampening 0
+scheduler.type                                                    required      WarmupLR | WarmupDecayLR | WarmupCosineLR
+scheduler.params.warmup_min_lr (WarmupLR, WarmupDecayLR)          0.0           lr at the start; number or list
+scheduler.params.warmup_max_lr (WarmupLR)                         optimizer lr  lr after warmup; number or list
+scheduler.params.warmup_max_lr (WarmupDecayLR)                    0.001         lr after warmup; number or list
+scheduler.params.warmup_num_steps                                 1000          >= 1 (at least 2 are used)
+scheduler.params.warmup_type                                      "log"         "log" | "linear"
+scheduler.params.total_num_steps (WarmupDecayLR, WarmupCosineLR)  required      >= 1
+scheduler.params.warmup_min_ratio (WarmupCosineLR)                0.0           in [0, 1], × optimizer lr
+scheduler.params.cos_min_ratio (WarmupCosineLR)                   1e-4          in [0, 1], × optimizer lr
+scheduler.params.last_batch_iteration                             -1            >= -1 (resume position)
+zero_optimization.stage                                           0             0, 1 or 2 (3 not yet)
+zero_optimization.reduce_bucket_size                              5e8           elements, >= 1
+zero_optimization.allgather_bucket_size                           5e8           elements, >= 1
+zero_optimization.overlap_comm                                    true          bool
+zero_optimization.contiguous_gradients                            true          bool
+zero_optimization.reduce_scatter                                  true          bool
+accelerator (zero-core)                                           null          "cpu", "cuda", "hpu", ... or null
+comm_backend (zero-core)                                          null          "gloo", "mpi", "nccl", ... or null
+comm_timeout (zero-core)                                          null          seconds > 0, or null
+topology.ranks_per_node (zero-core)                               null          divisor of the world size, or null
+================================================================  ============  ==========================================
 
 Batch size: ``train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps
 × world_size``. Any two of the three fill in the third; all three must multiply out. If only
@@ -470,15 +469,15 @@ def _as_float(path: str, value: Any, lo: float | None = None, hi: float | None =
     _refuse_auto(path, value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(path, value, f"expected a number{_range_text(lo, hi, lo_open, hi_open)}")
-    value = float(value)
-    if not math.isfinite(value):
+    number = float(value)
+    if not math.isfinite(number):
         raise _fail(path, value, f"expected a finite number{_range_text(lo, hi, lo_open, hi_open)}")
-    too_low = lo is not None and (value <= lo if lo_open else value < lo)
-    too_high = hi is not None and (value >= hi if hi_open else value > hi)
+    too_low = lo is not None and (number <= lo if lo_open else number < lo)
+    too_high = hi is not None and (number >= hi if hi_open else number > hi)
     if too_low or too_high:
         raise _fail(path, value, f"out of range: expected a number"
                                  f"{_range_text(lo, hi, lo_open, hi_open)}")
-    return value
+    return number
 
 
 def _as_bool(path: str, value: Any) -> bool:
@@ -495,6 +494,7 @@ def _as_name(path: str, value: Any) -> str:
 
 
 def _range_text(lo, hi, lo_open=False, hi_open=False) -> str:
+    lo, hi = (None if v is None else f"{v:g}" for v in (lo, hi))
     if lo is not None and hi is not None:
         return f" in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
     if lo is not None:
