@@ -326,7 +326,7 @@ NOT_IMPLEMENTED_CASES = [
     ({"csv_monitor": {"enabled": True}}, "csv_monitor"),
     ({"compression_training": {}}, "compression_training"),
     ({"data_efficiency": {"enabled": True}}, "data_efficiency"),
-    ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer"),
+    ({"zero_force_ds_cpu_optimizer": True}, "zero_force_ds_cpu_optimizer"),
 ]
 
 
@@ -384,6 +384,7 @@ def test_every_supported_key_parses_and_round_trips():
     everything = {
         "train_batch_size": 12, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
         "gradient_clipping": 0.5, "steps_per_print": 5, "wall_clock_breakdown": True,
+        "zero_allow_untested_optimizer": True,
         "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 50,
                  "hysteresis": 3, "consecutive_hysteresis": True, "min_loss_scale": 2},
         "bf16": {"enabled": False},

@@ -25,6 +25,8 @@ gradient_accumulation_steps                                       derived / 1   
 gradient_clipping                                                 0.0           max global L2 grad norm; 0 = off
 steps_per_print                                                   10            integer >= 1
 wall_clock_breakdown                                              false         bool
+zero_allow_untested_optimizer                                     false         bool; accepted, no effect (the engine
+                                                                                checks client optimizers itself)
 fp16.enabled                                                      false         bool (not together with bf16)
 fp16.loss_scale                                                   0.0           0 = dynamic, > 0 = static scale
 fp16.initial_scale_power                                          16            dynamic scale starts at 2**power
@@ -113,6 +115,7 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
     "": ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
          "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler",
          "zero_optimization", "steps_per_print", "wall_clock_breakdown",
+         "zero_allow_untested_optimizer",
          "accelerator", "comm_backend", "comm_timeout", "topology"),
     "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale"),
@@ -172,7 +175,6 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
         "nebula": "Nebula checkpointing",
         "compile": "torch.compile / DeepCompile integration",
         "data_types": "separate gradient-accumulation dtype",
-        "zero_allow_untested_optimizer": "client optimizers with ZeRO",
         "zero_force_ds_cpu_optimizer": "the DeepSpeed CPU optimizer switch",
         "memory_breakdown": "memory breakdown logging",
         "dump_state": "state dump at start",
@@ -378,6 +380,9 @@ class Config:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
+    # DeepSpeed's permission for client optimizers under ZeRO. Accepted without effect: the
+    # engine checks a client optimizer itself (element-wise update rules only at stages 1-2).
+    zero_allow_untested_optimizer: bool = False
     accelerator: str | None = None
     comm_backend: str | None = None
     comm_timeout: float | None = None
@@ -397,7 +402,8 @@ class Config:
     def compute_dtype(self):
         """torch.float16, torch.bfloat16 or torch.float32, following :attr:`precision`."""
         import torch  # here, so that parsing a config never needs torch
-        return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[self.precision]
+        dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+        return dtypes[self.precision]
 
     def to_dict(self) -> dict:
         """The config as DeepSpeed-style JSON data; ``parse_config`` of it gives back an equal
@@ -412,6 +418,7 @@ class Config:
             "zero_optimization": dataclasses.asdict(self.zero_optimization),
             "steps_per_print": self.steps_per_print,
             "wall_clock_breakdown": self.wall_clock_breakdown,
+            "zero_allow_untested_optimizer": self.zero_allow_untested_optimizer,
             "accelerator": self.accelerator,
             "comm_backend": self.comm_backend,
             "comm_timeout": self.comm_timeout,
@@ -580,7 +587,8 @@ class _Section:
         return key in self.raw
 
     def get(self, key: str, default: Any, convert, *args, **kwargs) -> Any:
-        assert key in SUPPORTED_KEYS[self.table], f"{key} missing from SUPPORTED_KEYS[{self.table!r}]"
+        # Reading a key the tables do not list is a bug here, not a user error.
+        assert key in SUPPORTED_KEYS[self.table], f"{key} not in SUPPORTED_KEYS[{self.table!r}]"
         if key not in self.raw:
             return default
         return convert(self.key_path(key), self.raw[key], *args, **kwargs)
@@ -805,7 +813,8 @@ def _resolve_batch(s: _Section, world_size: int) -> tuple[int, int, int]:
         ga = 1 if ga is None else ga
         if tb % (ga * ws):
             raise not_divisible("train_batch_size", tb,
-                                f"gradient_accumulation_steps × world_size = {ga} × {ws}", ga * ws)
+                                f"gradient_accumulation_steps × world_size = {ga} × {ws}",
+                                ga * ws)
         mb = tb // (ga * ws)
     else:
         mb = 1 if mb is None else mb
@@ -889,6 +898,7 @@ def parse_config(config: Any = None, world_size: int = 1) -> Config:
         zero_optimization=_parse_zero(top.raw.get("zero_optimization")),
         steps_per_print=top.get("steps_per_print", 10, _as_int, 1),
         wall_clock_breakdown=top.get("wall_clock_breakdown", False, _as_bool),
+        zero_allow_untested_optimizer=top.get("zero_allow_untested_optimizer", False, _as_bool),
         accelerator=top.get("accelerator", None, _optional(_as_name)),
         comm_backend=top.get("comm_backend", None, _optional(_as_name)),
         comm_timeout=top.get("comm_timeout", None, _optional(_as_float), lo=0.0, lo_open=True),

@@ -95,9 +95,10 @@ class StaticLossScaler:
     def load_state_dict(self, state: dict) -> None:
         """Restore from :meth:`state_dict` (refuses a dynamic scaler's state)."""
         if state.get("type", "static") != "static":
-            raise ConfigError(f"cannot load a {state.get('type')!r} loss-scaler state into a static "
-                              f"scaler: the checkpoint used dynamic loss scaling (fp16.loss_scale "
-                              f"0); use the same fp16 settings as when it was saved")
+            raise ConfigError(f"cannot load a {state.get('type')!r} loss-scaler state into a "
+                              f"static scaler: the checkpoint used dynamic loss scaling "
+                              f"(fp16.loss_scale 0); use the same fp16 settings as when it was "
+                              f"saved")
         self._scale = float(state["scale"])
 
 
