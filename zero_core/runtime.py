@@ -89,6 +89,14 @@ def init_distributed(accelerator: str | None = None, comm_backend: str | None = 
         if comm_backend and comm_backend != rt.comm.name:
             raise ConfigError(f"comm_backend {comm_backend!r} asked for, but this process already "
                               f"communicates through {rt.comm.name!r}; use one per process")
+        if ranks_per_node is not None and ranks_per_node != rt.topology.ranks_per_node:
+            raise ConfigError(f"topology.ranks_per_node={ranks_per_node} asked for, but this "
+                              f"process already runs with {rt.topology.ranks_per_node} ranks per "
+                              f"node; the topology is fixed by the first initialization")
+        if timeout is not None and comm_timeout(timeout) != rt.comm.timeout:
+            raise ConfigError(f"comm_timeout={timeout} asked for, but this process's communicator "
+                              f"already uses {rt.comm.timeout:g} s; it is fixed by the first "
+                              f"initialization")
         return rt
     reg = _registry.load()
     launch = discover()
