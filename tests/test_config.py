@@ -58,6 +58,7 @@ def test_json_file_pathlike_and_config_passthrough(tmp_path):
     assert "not valid JSON" in error_of(bad) and "line 1" in error_of(bad)
     assert "cannot read the config file" in error_of(str(tmp_path / "missing.json"))
     assert "must be a dict" in error_of([1, 2])
+    assert parse_config('{"train_micro_batch_size_per_gpu": 2}', 2).train_batch_size == 4
     (tmp_path / "list.json").write_text("[1]")
     assert "JSON object" in error_of(tmp_path / "list.json")
 
@@ -348,6 +349,8 @@ def test_neutral_values_ask_for_nothing_and_are_accepted():
         "wandb": {"enabled": False, "project": "x"}, "flops_profiler": {"enabled": False},
     })
     assert same == plain
+    assert parse_config({"bfloat16": {"enabled": True, "bf16_optimizer_states": False}}) == \
+        parse_config({"bf16": {"enabled": True}})
     msg = error_of({"zero_optimization": {"zero_hpz_partition_size": 2}})
     assert "only 1 (the feature off) is accepted" in msg
     # DeepSpeed's monitors default to off, so a section without "enabled" asks for nothing

@@ -555,15 +555,16 @@ class _Section:
             value = self.raw[key]
             feature = _pending_feature(self.table, key)
             if feature is not None:
-                if self._is_neutral(path, key, value):
+                if self._is_neutral(key, value):
                     del self.raw[key]  # asks for what zero-core does anyway
                     continue
-                neutral = NEUTRAL_VALUES.get(path)
-                hint = (f"; only {json.dumps(neutral)} (the feature off) is accepted for now"
-                        if path in NEUTRAL_VALUES else
-                        "; remove the key (or set \"enabled\": false) to train without it"
-                        if key in _SWITCHABLE_SECTIONS and not self.path else
-                        "; remove the key to train without it")
+                if self._table_path(key) in NEUTRAL_VALUES:
+                    neutral = json.dumps(NEUTRAL_VALUES[self._table_path(key)])
+                    hint = f"; only {neutral} (the feature off) is accepted for now"
+                elif key in _SWITCHABLE_SECTIONS and not self.path:
+                    hint = "; remove the key (or set \"enabled\": false) to train without it"
+                else:
+                    hint = "; remove the key to train without it"
                 raise ConfigError(f"config key '{path}' ({feature}) is not implemented yet in "
                                   f"zero-core{hint}")
             where = f"in '{self.path}'" if self.path else "at the top level"
@@ -573,9 +574,14 @@ class _Section:
                 f"unknown config key '{path}'{_suggest(key, supported)} "
                 f"(valid keys {where}: {', '.join(supported)})")
 
-    def _is_neutral(self, path: str, key: str, value: Any) -> bool:
-        if path in NEUTRAL_VALUES:
-            want = NEUTRAL_VALUES[path]
+    def _table_path(self, key: str) -> str:
+        # NEUTRAL_VALUES use the table's name ("bf16.x" also for "bfloat16", no ":Type").
+        section = self.table.split(":")[0]
+        return f"{section}.{key}" if section else key
+
+    def _is_neutral(self, key: str, value: Any) -> bool:
+        if self._table_path(key) in NEUTRAL_VALUES:
+            want = NEUTRAL_VALUES[self._table_path(key)]
             return type(value) is type(want) and value == want or (
                 isinstance(want, float) and not isinstance(value, bool)
                 and isinstance(value, (int, float)) and float(value) == want)
@@ -859,8 +865,9 @@ def _load(config: Any) -> Mapping:
 def parse_config(config: Any = None, world_size: int = 1) -> Config:
     """Validate *config* once and return a frozen :class:`Config`.
 
-    *config* is a dict, a path (str or PathLike) to a JSON file, an existing Config (returned
-    as is when it was resolved for the same world size) or None (all defaults).
+    *config* is a dict, a path (str or PathLike) to a JSON file, JSON text itself (a string
+    starting with "{"), an existing Config (returned as is when it was resolved for the same
+    world size) or None (all defaults).
     *world_size* is the number of data-parallel ranks the batch sizes are resolved against.
     Raises ConfigError naming the key, the value and what would be valid.
     """
