@@ -1,0 +1,48 @@
+"""Communication backends: torch.distributed (``torch_dist``) and MPI (``mpi``).
+
+This package module holds the small pieces both families share: the local reduction
+used when a reduce-scatter is carried as an all-to-all (gloo's fast path, and MPI's
+16-bit floats, for which MPI has no datatype), and the check that refuses an average of
+integer tensors before anything is sent. It imports torch only, never a vendor library.
+"""
+from __future__ import annotations
+
+import torch
+
+from zero_core.errors import CommError
+
+#: floating dtypes that are summed in fp32 locally, then rounded once
+LOW_PRECISION_FLOATS = (torch.float16, torch.bfloat16)
+
+
+def refuse_integer_average(opname: str, op: str, dtype: torch.dtype, group) -> None:
+    """Raise before sending when *op* is "avg" on an integer dtype (the mean of integers is
+    not an integer; rounding it silently would be a wrong answer)."""
+    if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise CommError(f"{opname} on group '{group.name}': op='avg' needs a floating-point "
+                        f"tensor, got {dtype}; reduce with op='sum' and divide, or convert "
+                        f"the tensor to a float dtype first")
+
+
+def reduce_rows_into(output: torch.Tensor, rows: torch.Tensor, op: str) -> None:
+    """Reduce the *rows* (shape ``(n, c)``, one row per rank, in group rank order) into the
+    flat *output* (``c`` elements) with *op* ("sum", "avg", "max", "min").
+
+    16-bit floats are accumulated in fp32 and rounded once at the end, so the result is
+    at least as accurate as a backend that reduces in 16 bits. Integers follow the
+    wrap-around semantics of the backends' own integer sums.
+    """
+    n = rows.shape[0]
+    out = output.view(-1)
+    if op in ("max", "min"):
+        torch.amax(rows, dim=0, out=out) if op == "max" else torch.amin(rows, dim=0, out=out)
+        return
+    if rows.dtype in LOW_PRECISION_FLOATS:
+        acc = rows.sum(dim=0, dtype=torch.float32)
+        if op == "avg":
+            acc.div_(n)
+        out.copy_(acc)
+        return
+    torch.sum(rows, dim=0, out=out)
+    if op == "avg":
+        out.div_(n)
