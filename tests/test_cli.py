@@ -87,6 +87,8 @@ def test_launch_is_read_from_the_launcher_variables(env, capsys):
     wanted = "mpi" if module_present("mpi4py") else "gloo"
     # the built-in communicator modules may not be installed yet: then the error names it
     assert comm.get("name") == wanted or f"'{wanted}'" in comm["error"]
+    rows = {a["name"]: a for a in report["accelerators"]}
+    assert rows["cpu"]["default_comm"] == wanted
 
 
 def test_bad_launcher_variables_are_reported_not_fatal(env, capsys):

@@ -115,6 +115,15 @@ def _availability(cls) -> tuple[bool, str]:
         return False, f"availability() raised {type(exc).__name__}: {exc}"
 
 
+def _default_comm(cls, launch) -> str:
+    """The communicator *cls* would default to for this launch (its class default if the
+    accelerator cannot even be constructed here)."""
+    try:
+        return cls().default_comm_for(launch) if launch is not None else cls.default_comm
+    except Exception:  # a plugin's constructor must not break the report
+        return cls.default_comm
+
+
 def _table(reg_table, extra) -> list[dict]:
     rows = []
     for name, contrib in sorted(reg_table.items()):
@@ -207,7 +216,8 @@ def collect_report(accelerator=None, comm=None, config_path=None) -> dict:
         report["registry_error"] = str(exc)
         return report
     report["accelerators"] = _table(reg.accelerators, lambda c: {
-        "priority": c.priority, "default_comm": c.default_comm, "kernel_set": c.kernel_set})
+        "priority": c.priority, "default_comm": _default_comm(c, launch),
+        "kernel_set": c.kernel_set})
     report["communicators"] = _table(reg.communicators, lambda c: {
         "device_types": list(getattr(c, "device_types", ()))})
     report["plugins"] = [dict(p) for p in reg.plugins]
