@@ -309,7 +309,6 @@ NOT_IMPLEMENTED_CASES = [
     ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
     ({"zero_optimization": {"sub_group_size": 1e9}}, "zero_optimization.sub_group_size"),
     ({"zero_optimization": {"allgather_partitions": False}}, "zero_optimization.allgather_partitions"),
-    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
     ({"fp16": {"auto_cast": True}}, "fp16.auto_cast"),
     ({"bf16": {"bf16_master_weights_and_grads": True}}, "bf16.bf16_master_weights_and_grads"),
     ({"amp": {"enabled": True}}, "amp"),

@@ -63,6 +63,16 @@ zero_optimization.allgather_bucket_size                           5e8           
 zero_optimization.overlap_comm                                    true          bool
 zero_optimization.contiguous_gradients                            true          bool
 zero_optimization.reduce_scatter                                  true          bool
+activation_checkpointing.partition_activations                    false         bool; split saved inputs across the
+                                                                                model-parallel group (mpu in configure)
+activation_checkpointing.cpu_checkpointing                        false         bool; saved inputs in host memory (also
+                                                                                without partitioning, unlike DeepSpeed)
+activation_checkpointing.contiguous_memory_optimization           false         bool; one reused buffer per checkpoint
+                                                                                (needs number_checkpoints)
+activation_checkpointing.number_checkpoints                       null          checkpointed calls per forward pass (the
+                                                                                contiguous buffer count), >= 1, or null
+activation_checkpointing.synchronize_checkpoint_boundary          false         bool; device sync around each checkpoint
+activation_checkpointing.profile                                  false         bool; time each forward/recompute
 accelerator (zero-core)                                           null          "cpu", "cuda", "hpu", ... or null
 comm_backend (zero-core)                                          null          "gloo", "mpi", "nccl", ... or null
 comm_timeout (zero-core)                                          null          seconds > 0, or null
@@ -76,6 +86,9 @@ batch is given (DeepSpeed refuses this; zero-core defaults), the micro batch is 
 
 Integer sizes may be written as integral floats (``5e8``). ``zero_optimization.overlap_comm``
 defaults to true here (DeepSpeed: false for stages 0-2); it changes speed, not results.
+
+The ``activation_checkpointing`` section is read by ``zero_core.checkpointing.configure(mpu,
+deepspeed_config=...)`` (as in DeepSpeed, the model code calls it; the engine does not).
 
 Adding a key later (stage 3, ZeRO++, offload, checkpoints): move its name from
 ``NOT_YET_IMPLEMENTED`` to ``SUPPORTED_KEYS``, read it in the section's ``_parse_*`` function
@@ -97,7 +110,8 @@ from .errors import ConfigError
 
 __all__ = [
     "Config", "FP16Config", "BF16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig",
-    "TopologyConfig", "parse_config", "SUPPORTED_KEYS", "NOT_YET_IMPLEMENTED", "NEUTRAL_VALUES",
+    "TopologyConfig", "ActivationCheckpointingConfig", "parse_config",
+    "parse_activation_checkpointing", "SUPPORTED_KEYS", "NOT_YET_IMPLEMENTED", "NEUTRAL_VALUES",
     "OPTIMIZER_TYPES", "SCHEDULER_TYPES",
 ]
 
@@ -115,7 +129,7 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
     "": ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
          "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler",
          "zero_optimization", "steps_per_print", "wall_clock_breakdown",
-         "zero_allow_untested_optimizer",
+         "zero_allow_untested_optimizer", "activation_checkpointing",
          "accelerator", "comm_backend", "comm_timeout", "topology"),
     "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale"),
@@ -132,13 +146,15 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
     "zero_optimization": ("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
                           "contiguous_gradients", "reduce_scatter"),
     "topology": ("ranks_per_node",),
+    "activation_checkpointing": ("partition_activations", "cpu_checkpointing",
+                                 "contiguous_memory_optimization", "number_checkpoints",
+                                 "synchronize_checkpoint_boundary", "profile"),
 }
 
 # DeepSpeed keys zero-core does not implement yet: pattern -> what the key is for. Refused by
 # name, so that a DeepSpeed config never trains with a feature silently missing.
 NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
     "": {
-        "activation_checkpointing": "activation checkpointing (ZeRO-R)",
         "amp": "NVIDIA Apex AMP",
         "torch_autocast": "torch.autocast mixed precision",
         "communication_data_type": "a separate dtype for gradient communication",
@@ -366,6 +382,20 @@ class TopologyConfig:
 
 
 @dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """DeepSpeed's ``activation_checkpointing`` section (ZeRO-R), used by
+    :func:`zero_core.checkpointing.configure`. ``number_checkpoints`` is how many
+    checkpointed calls can hold saved inputs at once (None: not given)."""
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass(frozen=True)
 class Config:
     """A validated zero-core configuration (see the module docstring for every key)."""
 
@@ -387,6 +417,8 @@ class Config:
     comm_backend: str | None = None
     comm_timeout: float | None = None
     topology: TopologyConfig = field(default_factory=TopologyConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig)
     world_size: int = 1  # the data-parallel world size the batch sizes were resolved for
 
     @property
@@ -423,6 +455,7 @@ class Config:
             "comm_backend": self.comm_backend,
             "comm_timeout": self.comm_timeout,
             "topology": dataclasses.asdict(self.topology),
+            "activation_checkpointing": dataclasses.asdict(self.activation_checkpointing),
         }
         if self.optimizer is not None:
             opt = self.optimizer
@@ -782,6 +815,26 @@ def _parse_topology(raw: Any, world_size: int) -> TopologyConfig:
     return TopologyConfig(ranks_per_node=rpn)
 
 
+def parse_activation_checkpointing(raw: Any) -> ActivationCheckpointingConfig:
+    """Validate DeepSpeed's ``activation_checkpointing`` section on its own (a dict or
+    None); :func:`parse_config` calls it for the whole config."""
+    s = _Section(raw, "activation_checkpointing", "activation_checkpointing")
+    cfg = ActivationCheckpointingConfig(
+        partition_activations=s.get("partition_activations", False, _as_bool),
+        cpu_checkpointing=s.get("cpu_checkpointing", False, _as_bool),
+        contiguous_memory_optimization=s.get("contiguous_memory_optimization", False, _as_bool),
+        number_checkpoints=s.get("number_checkpoints", None, _optional(_as_int), 1),
+        synchronize_checkpoint_boundary=s.get("synchronize_checkpoint_boundary", False, _as_bool),
+        profile=s.get("profile", False, _as_bool),
+    )
+    if cfg.contiguous_memory_optimization and cfg.number_checkpoints is None:
+        # the buffers are preallocated per checkpoint, so their count must be known
+        raise _fail("activation_checkpointing.number_checkpoints", None,
+                    "contiguous_memory_optimization needs the number of checkpointed calls per "
+                    "forward pass (an integer >= 1, e.g. the number of checkpointed layers)")
+    return cfg
+
+
 def _optional(convert):
     def convert_or_none(path, value, *args, **kwargs):
         return None if value is None else convert(path, value, *args, **kwargs)
@@ -910,5 +963,7 @@ def parse_config(config: Any = None, world_size: int = 1) -> Config:
         comm_backend=top.get("comm_backend", None, _optional(_as_name)),
         comm_timeout=top.get("comm_timeout", None, _optional(_as_float), lo=0.0, lo_open=True),
         topology=_parse_topology(top.raw.get("topology"), world_size),
+        activation_checkpointing=parse_activation_checkpointing(
+            top.raw.get("activation_checkpointing")),
         world_size=world_size,
     )
