@@ -161,5 +161,6 @@ def load(refresh: bool = False, extra_modules: list | None = None) -> Registry:
     _collect(pm, "zero_core_accelerators", registry.accelerators, "accelerator", origins, registry)
     _collect(pm, "zero_core_communicators", registry.communicators, "communicator", origins, registry)
     _collect(pm, "zero_core_kernel_sets", registry.kernel_sets, "kernel set", origins, registry)
-    _REGISTRY = registry
+    if not extra_modules:  # an in-process extra is a test's private view: do not cache it
+        _REGISTRY = registry
     return registry

@@ -59,8 +59,9 @@ class Check:
             self.failures.append(message)
 
     def note(self, message: str) -> None:
-        """Something worth showing even when the check passes."""
-        self.notes.append(message)
+        """Something worth showing even when the check passes (each once)."""
+        if message not in self.notes:
+            self.notes.append(message)
 
 
 class Recorder:
@@ -138,8 +139,9 @@ def merge(per_rank: list[list[dict]]) -> list[CheckResult]:
         if missing:
             merged.append(CheckResult(name, FAIL, f"did not run on ranks {missing}", seconds))
         elif statuses == {PASS}:
-            notes = sorted({r["detail"] for r in ranks.values() if r["detail"]})
-            merged.append(CheckResult(name, PASS, "; ".join(notes), seconds))
+            # notes are informative only: show the first rank's that has one
+            note = next((ranks[k]["detail"] for k in sorted(ranks) if ranks[k]["detail"]), "")
+            merged.append(CheckResult(name, PASS, note, seconds))
         elif len(statuses) == 1 and statuses <= {UNSUPPORTED, SKIP}:
             merged.append(CheckResult(name, statuses.pop(), ranks[0]["detail"], seconds))
         else:
