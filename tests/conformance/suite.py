@@ -92,7 +92,10 @@ def load_plugins(modules) -> None:
     from zero_core import registry
     mods = [importlib.import_module(m) if isinstance(m, str) else m for m in modules]
     if mods:
-        registry.load(refresh=True, extra_modules=mods)
+        # registry.load() does not cache a view with in-process extras (tests use those
+        # privately); here they are meant to be this process's plugins, so that
+        # init_distributed() selects from them: install the view as the cached registry.
+        registry._REGISTRY = registry.load(refresh=True, extra_modules=mods)
 
 
 def run_conformance(comm: str | None = None, accelerator: str | None = None, *,
