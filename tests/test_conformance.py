@@ -4,6 +4,7 @@ communicators — gloo launched torchrun-style and MPI under mpirun, 2 ranks and
 unit tests of the suite's own judging (merging, tolerances)."""
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -137,7 +138,6 @@ def test_suite_catches_a_broken_communicator(tmp_path):
     args = ["--plugin", "broken_gloo_plugin", "--comm", "broken_gloo", "--comm-only"]
     for p in picks:
         args += ["-k", p]
-    import os
     pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     results = run_suite(2, "torchrun", *args, env={"PYTHONPATH": pythonpath})
     log = results[0].log[-8000:]

@@ -25,7 +25,7 @@ SIZES = (7, 1031)
 #: how late one rank enters the async timing check, seconds
 LATE_S = 1.0
 #: how late one rank enters a barrier, seconds
-BARRIER_LATE_S = 0.3
+BARRIER_LATE_S = 0.4
 
 
 def poison(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -265,7 +265,9 @@ class CommChecks:
         self.measured(check, "barrier", g, None, lambda: self.comm.barrier(group=g))
         waited = time.perf_counter() - start
         if self.rank != late:
-            check.expect(waited >= BARRIER_LATE_S / 2,
+            # a barrier that does not block returns in microseconds; the margin absorbs a
+            # loaded machine's scheduling delays between the ranks' start lines
+            check.expect(waited >= BARRIER_LATE_S / 4,
                          f"barrier returned after {waited:.3f} s although rank {late} entered "
                          f"{BARRIER_LATE_S:g} s late")
 
@@ -407,7 +409,7 @@ class CommChecks:
         t_total = time.perf_counter() - t0
         if self.rank != late:
             for (op, _), dt, early in zip(calls, took, done_early):
-                check.expect(dt < LATE_S / 4,
+                check.expect(dt < LATE_S / 2,
                              f"the async {op} call took {dt:.3f} s to return while rank {late} "
                              f"entered {LATE_S:g} s late: it does not return before the "
                              f"collective completes")
