@@ -1,0 +1,150 @@
+"""Backend specifics of the gloo and MPI communicators (the generic contract is checked by
+the conformance suite in tests/conformance).
+
+Multi-rank tests launch real processes with ``zero_core.testing.run_ranks``; their rank
+programs are in tests/workers/comm_*.py.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from zero_core.backends.comm import reduce_rows_into, refuse_integer_average
+from zero_core.backends.comm.mpi import MpiCommunicator
+from zero_core.backends.comm.torch_dist import (CclCommunicator, GlooCommunicator,
+                                                HcclCommunicator, NcclCommunicator,
+                                                XcclCommunicator)
+from zero_core.communicator import Group
+from zero_core.errors import CommError
+from zero_core.testing import run_ranks
+
+WORKERS = os.path.join(os.path.dirname(__file__), "workers")
+LAUNCHER = {"gloo": "torchrun", "mpi": "mpirun"}
+
+
+def _worker(name: str) -> str:
+    return os.path.join(WORKERS, name)
+
+
+# ---- single process ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_16bit_rows_are_accumulated_in_fp32_and_rounded_once(dtype, op):
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    rows = (torch.randn(4, 4096, generator=g, dtype=torch.float64) * 3).to(dtype)
+    out = torch.empty(4096, dtype=dtype)
+    reduce_rows_into(out, rows, op)
+    exact = rows.to(torch.float64).sum(0)
+    if op == "avg":
+        exact = exact / 4
+    # an fp32 sum of 4 16-bit values is exact up to fp32 rounding; the only visible error
+    # is the final rounding to 16 bits: at most half an ulp of the dtype
+    ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((out.to(torch.float64) - exact).abs() <= ulp * 0.5 + 1e-6 * exact.abs()).all()
+    # and it is strictly better than summing in the 16-bit dtype itself on these inputs
+    naive = rows[0].clone()
+    for r in rows[1:]:
+        naive += r
+    if op == "avg":
+        naive /= 4
+    assert (out.to(torch.float64) - exact).abs().sum() <= (naive.to(torch.float64) - exact).abs().sum()
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_max_min_rows_pick_an_input_value(op):
+    rows = torch.randn(3, 100).to(torch.bfloat16)
+    out = torch.empty(100, dtype=torch.bfloat16)
+    reduce_rows_into(out, rows, op)
+    want = rows.amax(0) if op == "max" else rows.amin(0)
+    assert torch.equal(out, want)
+
+
+def test_integer_average_is_refused_with_a_fix():
+    group = Group("g", (0, 1), 0, False)
+    with pytest.raises(CommError, match="op='sum' and divide"):
+        refuse_integer_average("all_reduce", "avg", torch.int32, group)
+    refuse_integer_average("all_reduce", "avg", torch.bfloat16, group)
+    refuse_integer_average("all_reduce", "sum", torch.int8, group)
+
+
+def test_cpu_backends_are_available_here():
+    assert GlooCommunicator.availability() == (True, "")
+    assert MpiCommunicator.availability() == (True, "")
+
+
+@pytest.mark.parametrize("cls, words", [
+    (NcclCommunicator, "CUDA"), (HcclCommunicator, "habana"),
+    (CclCommunicator, "oneccl"), (XcclCommunicator, "XPU")])
+def test_hardware_backends_say_why_they_are_unavailable(cls, words):
+    ok, why = cls.availability()
+    assert not ok
+    assert words.lower() in why.lower()
+    assert "install" in why or "visible" in why  # says what to do about it
+
+
+# ---- multi-rank -------------------------------------------------------------------------
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_every_collective_matches_float64_reference(backend, nprocs):
+    """All collectives, 7 dtypes, 4 reduce ops, world + two kinds of subgroups, async ops
+    in flight together; bf16/fp16 reductions within the rounding bound."""
+    seed = random.randrange(1 << 20)
+    results = run_ranks(_worker("comm_collectives.py"), nprocs, launcher=LAUNCHER[backend],
+                        args=[backend, seed], timeout=400)
+    for r in results:
+        assert r.report is not None, r.log[-3000:]
+        assert r.report["failures"] == [], f"seed {seed}: {r.report['failures'][:10]}"
+        assert r.report["checks"] > 150
+    ops = results[0].report["ledger"]["ops"]
+    if backend == "gloo":
+        # gloo's reduce-scatter is carried as an all-to-all and recorded as such; only
+        # one-rank subgroups (nothing to send) keep the native call
+        assert ops.get("reduce_scatter", {"sent_bytes": 0})["sent_bytes"] == 0
+        assert ops["all_to_all_single"]["calls"] > 0
+        assert ops["all_gather_into"]["sent_bytes"] > 0
+    else:
+        # MPI reduces fp32/int natively; only the 16-bit ones went as all-to-all
+        assert ops["reduce_scatter"]["calls"] > 0
+        assert ops["all_to_all_single"]["calls"] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_async_collectives_progress_while_the_caller_computes(backend):
+    """Rank 0 starts each collective asynchronously and runs matmuls for 1.5 s; rank 1
+    joins synchronously. With real background progress rank 1 is done long before rank 0
+    stops computing (Open MPI's Iallreduce without a progress thread took >= the compute
+    time in the same setup, which is why the MPI communicator uses a worker thread)."""
+    compute = 1.5
+    results = run_ranks(_worker("comm_overlap.py"), 2, launcher=LAUNCHER[backend],
+                        args=[backend, compute], timeout=300)
+    peer = results[1].report["peer_seconds"]
+    assert set(peer) == {"all_reduce", "all_gather_into", "reduce_scatter", "all_to_all_single"}
+    for op, seconds in peer.items():
+        assert seconds < compute / 2, f"{op}: the peer waited {seconds:.2f} s for rank 0's compute"
+    if backend == "mpi":
+        assert all(results[0].report["done_before_wait"].values())
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_runtime_under_mpirun_without_master_addr(backend):
+    """mpirun sets no MASTER_ADDR/PORT: rank 0's address and a free port are shared through
+    MPI, and torch.distributed works next to the communicator (even with one of its
+    collectives in flight)."""
+    results = run_ranks(_worker("comm_runtime.py"), 2, launcher="mpirun", args=[backend],
+                        timeout=300)
+    reports = [r.report for r in results]
+    assert all(rep["env_before"] == {"MASTER_ADDR": None, "MASTER_PORT": None} for rep in reports)
+    assert reports[0]["master"] == reports[1]["master"] and reports[0]["master"][1]
+    for i, rep in enumerate(reports):
+        assert rep["comm"] == backend
+        assert rep["dist_initialized"] and rep["dist_rank"] == i and rep["dist_world"] == 2
+        assert rep["dist_sum"] == 3.0 and rep["comm_sum"] == 3.0
+        assert rep["dist_gather"] == [0.0, 1.0]
