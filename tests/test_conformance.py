@@ -246,3 +246,24 @@ def test_suite_restates_the_ledger_table():
             for payload in (0, 12, 4100):
                 for src in (False, True):
                     assert expected_sent_bytes(op, n, payload, src) == sent_bytes(op, n, payload, src)
+
+
+@needs_mpi
+@pytest.mark.multirank
+def test_run_ranks_timeout_leaves_no_rank_behind(tmp_path):
+    """A hung job is stopped at its timeout with every rank (the suite relies on it when a
+    backend hangs); a killed mpirun alone would orphan its ranks on the shared cores."""
+    script = tmp_path / "hang_forever.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    results = run_ranks(str(script), 2, launcher="mpirun", timeout=8, check=False)
+    assert [r.returncode for r in results] == [None, None]
+    assert "stopped after its timeout" in results[0].log
+    leftovers = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if str(script).encode() in fh.read():
+                    leftovers.append(int(entry))
+        except OSError:
+            continue
+    assert leftovers == []

