@@ -255,7 +255,7 @@ def test_run_ranks_timeout_leaves_no_rank_behind(tmp_path):
     backend hangs); a killed mpirun alone would orphan its ranks on the shared cores."""
     script = tmp_path / "hang_forever.py"
     script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
-    results = run_ranks(str(script), 2, launcher="mpirun", timeout=8, check=False)
+    results = run_ranks(str(script), 2, launcher="mpirun", timeout=4, check=False)
     assert [r.returncode for r in results] == [None, None]
     assert "stopped after its timeout" in results[0].log
     leftovers = []
