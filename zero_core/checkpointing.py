@@ -43,7 +43,8 @@ Contract with hook-driven parameter gathering (ZeRO stage 3)
 The first forward runs ``fn`` under ``torch.no_grad()``. Backward calls the same ``fn``
 again — the same Python callable on rebuilt inputs, never a replay of recorded results —
 under ``torch.enable_grad()``, from inside the autograd engine's backward of this
-checkpoint, with :func:`is_recomputing` True. So, per step:
+checkpoint; :func:`is_recomputing` is True during the recompute and its backward. So, per
+step:
 
 * module forward pre-hooks and forward hooks inside ``fn`` fire twice: in the forward and
   in the recompute (a pre-hook that gathers a module's parameters gathers them again);
@@ -241,8 +242,9 @@ def deconfigure() -> None:
 
 
 def is_recomputing() -> bool:
-    """True while a checkpointed function is being recomputed in backward on this thread
-    (module hooks can tell the recompute from the first forward)."""
+    """True on this thread while a checkpoint's backward runs: during the recompute of its
+    function and the backward of the recomputed graph (module hooks can tell these from the
+    first forward and from the rest of the backward)."""
     return getattr(_LOCAL, "recomputing", 0) > 0
 
 
@@ -506,18 +508,20 @@ class _CheckpointFunction(torch.autograd.Function):
         try:
             with activation_rng.replay(call.rng), torch.enable_grad():
                 outputs = call.fn(*args, **kwargs)
+            leaves: list = []
+            _flatten(outputs, leaves)
+            out_tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+            if len(out_tensors) != len(grads):
+                raise ZeroCoreError(
+                    f"activation checkpointing: the recompute of {call.fn!r} returned "
+                    f"{len(out_tensors)} tensors, the first forward {len(grads)}; a checkpointed "
+                    f"function must return the same structure each call")
+            pairs = [(o, g) for o, g in zip(out_tensors, grads)
+                     if g is not None and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         finally:
             _LOCAL.recomputing -= 1
-        leaves: list = []
-        _flatten(outputs, leaves)
-        out_tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if len(out_tensors) != len(grads):
-            raise ZeroCoreError(f"activation checkpointing: the recompute of {call.fn!r} returned "
-                                f"{len(out_tensors)} tensors, the first forward {len(grads)}; a "
-                                f"checkpointed function must return the same structure each call")
-        pairs = [(o, g) for o, g in zip(out_tensors, grads) if g is not None and o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if call.slot is not None:
             call.slots.release(call.slot, call.token)
         _forget(call.state, call.token.account)
