@@ -492,7 +492,8 @@ def float64_reference(worker, seed):
         h = x
         for p in params:
             y = F.gelu(h @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-            mask = (torch.rand(y.shape, dtype=torch.float32) < worker.KEEP).to(y.dtype) / worker.KEEP
+            keep = worker.KEEP
+            mask = (torch.rand(y.shape, dtype=torch.float32) < keep).to(y.dtype) / keep
             h = h + y * mask
         loss = (h * target).sum()
         loss.backward()
@@ -556,7 +557,8 @@ def test_partitioned_activations_on_a_tensor_parallel_mlp(launcher):
                 assert step["all_gather_calls"] == layers
                 assert step["all_gather_payload_bytes"] == layers * input_bytes // 2
                 # parameters are saved by reference (not copied, not partitioned)
-                assert step["saved_param_count"] == by_name["plain"]["steps"][0]["saved_param_count"]
+                assert step["saved_param_count"] == \
+                    by_name["plain"]["steps"][0]["saved_param_count"]
         for name in ("partition_contiguous", "everything"):
             steps = by_name[name]["steps"]
             pointers = [b["data_ptr"] for b in steps[0]["buffers"]]
@@ -566,4 +568,8 @@ def test_partitioned_activations_on_a_tensor_parallel_mlp(launcher):
             assert by_name[name]["reallocations"] == 0
         prof = by_name["everything"]["profile"]
         assert prof["forward"]["calls"] == prof["recompute"]["calls"] == layers * worker.STEPS
-        assert "new_group" in rep["torch_group_error"] and "ProcessGroup" in rep["torch_group_error"]
+        error = rep["torch_group_error"]
+        assert "new_group" in error and "ProcessGroup" in error
+        # ZeRO-2 reduces the gradients the recompute's backward produces: same training
+        engine = rep["engine_stage2"]
+        assert engine["moved"] > 1e-3 and engine["max_diff"] <= 1e-6 * engine["moved"], engine

@@ -67,12 +67,12 @@ def resolve_model_parallel(mpu, comm_provider) -> ModelParallel:
     else:
         getter = getattr(mpu, "get_model_parallel_group", None)
         if not callable(getter):
-            raise ConfigError(f"activation checkpointing: mpu_ of type {type(mpu).__name__} has no "
-                              f"get_model_parallel_group() method; {_HOW_TO_MAKE_A_GROUP}")
+            raise ConfigError(f"activation checkpointing: mpu_ of type {type(mpu).__name__} has "
+                              f"no get_model_parallel_group() method; {_HOW_TO_MAKE_A_GROUP}")
         group = getter()
     if not isinstance(group, Group):
-        raise ConfigError(f"activation checkpointing: the mpu's get_model_parallel_group() returned "
-                          f"a {type(group).__module__}.{type(group).__name__}, not a zero-core "
+        raise ConfigError(f"activation checkpointing: the mpu's get_model_parallel_group() "
+                          f"returned a {type(group).__module__}.{type(group).__name__}, not a zero-core "
                           f"Group; zero-core partitions activations through its own "
                           f"Communicator: {_HOW_TO_MAKE_A_GROUP}")
     if not group.is_member:
@@ -83,9 +83,10 @@ def resolve_model_parallel(mpu, comm_provider) -> ModelParallel:
         for method, expected in (("get_model_parallel_world_size", group.size),
                                  ("get_model_parallel_rank", group.rank)):
             fn = getattr(mpu, method, None)
-            if callable(fn) and fn() != expected:
-                raise ConfigError(f"activation checkpointing: mpu.{method}() = {fn()} but the group "
-                                  f"'{group.name}' it returns has {method.split('_')[-1]} "
+            value = fn() if callable(fn) else expected
+            if value != expected:
+                raise ConfigError(f"activation checkpointing: mpu.{method}() = {value} but the "
+                                  f"group '{group.name}' it returns has {method.split('_')[-1]} "
                                   f"{expected} (ranks {list(group.ranks)}, this rank at index "
                                   f"{group.rank}); make the mpu report its own group")
     return ModelParallel(comm_provider(), group)

@@ -7,35 +7,33 @@ random-number state (CPU and accelerator) and autocast settings of the first cal
 dropout draws the same masks. ``configure(...)`` chooses how the saved inputs are kept,
 with DeepSpeed's ``activation_checkpointing`` config keys:
 
-=================================  ==================  ========================================
-config key                         configure argument  effect on the saved inputs
-=================================  ==================  ========================================
-partition_activations              partition_activ...  each rank of the model-parallel group
-                                                       keeps 1/mp of every saved tensor; the
-                                                       whole is all-gathered before recompute
-cpu_checkpointing                  checkpoint_in_cpu   kept in host memory (pinned where the
-                                                       accelerator pins), copied back in
-                                                       backward
-contiguous_memory_optimization     contiguous_check..  copied into buffer k of
-                                                       number_checkpoints reused buffers
-number_checkpoints                 num_checkpoints     how many checkpoints can hold a buffer
-                                                       at once: the checkpointed calls of one
-                                                       forward pass
-synchronize_checkpoint_boundary    synchronize         accelerator.synchronize() before and
-                                                       after each forward and recompute
-profile                            profile             time of each forward and recompute,
-                                                       logged and summed (profile_summary())
-=================================  ==================  ========================================
+* ``partition_activations`` (argument ``partition_activations``): each rank of the
+  model-parallel group keeps 1/mp of every saved tensor; backward all-gathers the whole
+  before the recompute (one uint8 all-gather per checkpoint, through the Communicator);
+* ``cpu_checkpointing`` (``checkpoint_in_cpu``): the saved inputs are kept in host memory
+  (pinned through the accelerator where it pins) and copied back in backward;
+* ``contiguous_memory_optimization`` (``contiguous_checkpointing``): the saved inputs of the
+  k-th checkpoint of a forward pass are copied into buffer k of ``number_checkpoints``
+  buffers allocated once and reused every step (``zero_core.activation_buffers``);
+* ``number_checkpoints`` (``num_checkpoints``): that buffer count, i.e. the number of
+  checkpointed calls in one forward pass; more live checkpoints than that is an error;
+* ``synchronize_checkpoint_boundary`` (``synchronize``): ``accelerator.synchronize()``
+  before and after each checkpoint's forward and backward;
+* ``profile`` (``profile``): the time of each forward and backward (recompute included) is
+  logged at INFO on the ``zero_core.checkpointing`` logger and summed in
+  :func:`profile_summary`.
 
 Differences from DeepSpeed: ``cpu_checkpointing`` and ``contiguous_memory_optimization``
 also work without ``partition_activations`` (DeepSpeed ignores the first and refuses the
 second then); the whole tensors are offloaded/defragmented instead of the partitions.
 
-What is saved: every tensor argument (also inside lists, tuples and dicts) except
-``nn.Parameter``\\ s, which the module keeps alive anyway and are saved by reference, and
-tensors on another device than the first saved one (also by reference). With partitioning,
-**the saved tensors must be identical on every rank of the model-parallel group** (as the
-input of a Megatron-style tensor-parallel layer is): each rank keeps only its chunk.
+What is saved: with none of the three options, the tensor arguments as they are (no copy,
+like torch's checkpoint). With any of them, every tensor argument (also inside lists,
+tuples and dicts) is copied into the checkpoint's byte payload, except ``nn.Parameter``\\ s,
+which the module keeps alive anyway, and tensors on another device than the first saved
+one: those are saved by reference. With partitioning, **the saved tensors must be
+identical on every rank of the model-parallel group** (as the input of a Megatron-style
+tensor-parallel layer is): each rank keeps only its chunk.
 Non-tensor arguments are passed to the recompute as they are.
 
 Contract with hook-driven parameter gathering (ZeRO stage 3)
@@ -148,12 +146,13 @@ def _section_of(deepspeed_config) -> ActivationCheckpointingConfig:
                     data = json.load(fh)
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"activation checkpointing: cannot read deepspeed_config "
-                              f"{text!r}: {exc}; pass a dict, a JSON file path or a Config") from None
+                              f"{text!r}: {exc}; pass a dict, a JSON file path or a "
+                              f"Config") from None
         deepspeed_config = data
     if isinstance(deepspeed_config, Mapping):
         return parse_activation_checkpointing(deepspeed_config.get("activation_checkpointing"))
-    raise ConfigError(f"activation checkpointing: deepspeed_config must be a dict, a path to a JSON "
-                      f"file, JSON text, a zero_core Config or None, not "
+    raise ConfigError(f"activation checkpointing: deepspeed_config must be a dict, a path to a "
+                      f"JSON file, JSON text, a zero_core Config or None, not "
                       f"{type(deepspeed_config).__name__}")
 
 

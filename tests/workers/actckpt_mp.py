@@ -12,6 +12,8 @@ carried across steps) report the gradients, what autograd saved during the forwa
 (measured with saved_tensors_hooks, not by zero-core's own count), whether the blocks'
 input activations were kept alive, the ledger's all-gather traffic in backward, and the
 contiguous buffers. The test compares all of it with a float64 single-process reference.
+Last, the ZeRO stage-2 engine trains a small data-parallel model with and without
+checkpointing (its gradient hooks fire inside the recompute's backward).
 """
 from __future__ import annotations
 
@@ -163,6 +165,49 @@ def run_scenario(name, use_checkpoint, block, params, data, comm, seed):
             "profile": checkpointing.profile_summary()}
 
 
+class DataParallelNet(torch.nn.Module):
+    """Two dropout MLP blocks, optionally checkpointed, for the ZeRO-2 engine check."""
+
+    def __init__(self):
+        super().__init__()
+        self.use_checkpoint = False
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(16, 8)) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = checkpointing.checkpoint(b, x) if self.use_checkpoint else b(x)
+        return x.pow(2).mean()
+
+
+def engine_check(seed: int, rank: int) -> dict:
+    """ZeRO stage 2 (gradients reduced by hooks that fire in the recompute's backward):
+    parameters after 3 steps with and without checkpointing, same data and RNG."""
+    import copy
+    torch.manual_seed(seed)
+    base = DataParallelNet()
+    finals = []
+    for use in (False, True):
+        model = copy.deepcopy(base)
+        model.use_checkpoint = use
+        engine, *_ = zero_core.initialize(model=model, model_parameters=model.parameters(), config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": 60}})
+        torch.manual_seed(seed + 100 + rank)  # per-rank dropout masks, same in both runs
+        g = torch.Generator().manual_seed(seed + 200 + rank)
+        for _ in range(3):
+            loss = engine(torch.randn(2, 8, generator=g))
+            engine.backward(loss)
+            engine.step()
+        finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        engine.destroy()
+    start = torch.cat([p.detach().flatten() for p in base.parameters()])
+    return {"max_diff": (finals[0] - finals[1]).abs().max().item(),
+            "moved": (finals[0] - start).abs().max().item()}
+
+
 def main() -> None:
     seed = int(sys.argv[1])
     rt = zero_core.init_distributed()
@@ -192,6 +237,9 @@ def main() -> None:
         if kwargs:
             checkpointing.configure(mpu, **kwargs)
         results["scenarios"].append(run_scenario(name, use, block, params, data, comm, seed))
+
+    checkpointing.deconfigure()
+    results["engine_stage2"] = engine_check(seed, rt.rank)
 
     # a Megatron-style mpu whose group is a torch.distributed group is refused by name
     import torch.distributed as dist
