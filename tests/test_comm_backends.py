@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from zero_core.backends.comm import reduce_rows_into, refuse_integer_average
+from zero_core.backends.comm import ScratchPool, reduce_rows_into, refuse_integer_average
 from zero_core.backends.comm.mpi import MpiCommunicator
 from zero_core.backends.comm.torch_dist import (CclCommunicator, GlooCommunicator,
                                                 HcclCommunicator, NcclCommunicator,
@@ -69,6 +69,23 @@ def test_integer_average_is_refused_with_a_fix():
         refuse_integer_average("all_reduce", "avg", torch.int32, group)
     refuse_integer_average("all_reduce", "avg", torch.bfloat16, group)
     refuse_integer_average("all_reduce", "sum", torch.int8, group)
+
+
+def test_scratch_buffers_are_reused_but_never_shared_while_taken():
+    pool = ScratchPool(max_free=2)
+    a, a_buf = pool.take(1000, torch.float32)
+    b, b_buf = pool.take(1000, torch.float32)
+    assert a.data_ptr() != b.data_ptr()          # both in flight: distinct memory
+    assert a.dtype == torch.float32 and a.numel() == 1000
+    pool.give_back(a_buf)
+    c, c_buf = pool.take(1500, torch.bfloat16)   # 3000 bytes fit in a's 4000
+    assert c.data_ptr() == a.data_ptr() and c.numel() == 1500
+    d, _ = pool.take(2000, torch.float32)        # nothing free fits: a new buffer
+    assert d.data_ptr() not in (b.data_ptr(), c.data_ptr())
+    for buf in (b_buf, c_buf):
+        pool.give_back(buf)
+    pool.give_back(torch.empty(10, dtype=torch.uint8))
+    assert len(pool._free) == 2 and min(x.numel() for x in pool._free) == 4000
 
 
 def test_cpu_backends_are_available_here():

@@ -7,6 +7,8 @@ integer tensors before anything is sent. It imports torch only, never a vendor l
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from zero_core.errors import CommError
@@ -46,3 +48,42 @@ def reduce_rows_into(output: torch.Tensor, rows: torch.Tensor, op: str) -> None:
     torch.sum(rows, dim=0, out=out)
     if op == "avg":
         out.div_(n)
+
+
+class ScratchPool:
+    """Reusable staging buffers for collectives that need a temporary (an all-to-all's
+    receive buffer before a local reduction).
+
+    Allocating a fresh 64 MiB tensor per call costs page faults on every first touch
+    (the CPU allocator returns large blocks to the OS on free); ZeRO's buckets have a
+    constant size, so a handful of reused buffers removes that cost. A buffer is taken
+    at launch and given back when the collective has finished, so concurrent async ops
+    never share one. Buffers are byte tensors viewed as the dtype asked for.
+    """
+
+    def __init__(self, max_free: int = 4):
+        self._free: list[torch.Tensor] = []
+        self._max_free = max_free
+        self._lock = threading.Lock()  # taken on the caller's thread, given back on MPI's
+
+    def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(view of *numel* elements of *dtype*, backing buffer to give back)."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            # the smallest buffer that fits (by index: tensors do not compare with ==)
+            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes].view(dtype), buf
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self._max_free:  # keep the largest ones
+                self._free.sort(key=torch.Tensor.numel)
+                self._free.pop(0)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()

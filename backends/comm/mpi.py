@@ -49,7 +49,7 @@ from zero_core.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable, CommError
 from zero_core.rendezvous import MPI_INSTALL_HINT, import_mpi
 
-from . import LOW_PRECISION_FLOATS, refuse_integer_average, reduce_rows_into
+from . import LOW_PRECISION_FLOATS, ScratchPool, refuse_integer_average, reduce_rows_into
 
 
 def _array(t: torch.Tensor):
@@ -137,6 +137,7 @@ class MpiCommunicator(Communicator):
         self._mpi = import_mpi()   # BackendUnavailable with the install hint if missing
         self._thread: _CommThread | None = None
         self._comms: list = []
+        self._scratch = ScratchPool()
         super().__init__(launch, topology, timeout)
         atexit.register(self._at_exit)
 
@@ -212,12 +213,13 @@ class MpiCommunicator(Communicator):
         refuse_integer_average("reduce_scatter", op, input.dtype, group)
         n = group.size
         if input.dtype in LOW_PRECISION_FLOATS and n > 1:
-            received = torch.empty_like(input)
+            received, buf = self._scratch.take(input.numel(), input.dtype)
             send, recv = _array(input), _array(received)
 
             def run():
                 group.handle.Alltoall(send, recv)
                 reduce_rows_into(output, received.view(n, -1), op)
+                self._scratch.give_back(buf)
 
             handle = self._submit("reduce_scatter", group, run)
             handle.wire_op = "all_to_all_single"
@@ -245,19 +247,24 @@ class MpiCommunicator(Communicator):
         n, numel = group.size, tensor.numel()
         chunk = -(-numel // n)
         flat = tensor.view(-1)
-        padded = flat if chunk * n == numel else torch.zeros(chunk * n, dtype=tensor.dtype)
-        received = torch.empty(chunk * n, dtype=tensor.dtype)
-        mine = torch.empty(chunk, dtype=tensor.dtype)
-        send, recv, mine_a, padded_a = _array(padded), _array(received), _array(mine), _array(padded)
+        # one staging buffer: [received (n*chunk) | mine (chunk) | padded copy (n*chunk)?]
+        needs_pad = chunk * n != numel
+        staging, buf = self._scratch.take(chunk * n * (2 if needs_pad else 1) + chunk,
+                                          tensor.dtype)
+        received, mine = staging[:chunk * n], staging[chunk * n:chunk * (n + 1)]
+        padded = staging[chunk * (n + 1):] if needs_pad else flat
+        send, recv, mine_a = _array(padded), _array(received), _array(mine)
 
         def run():
-            if padded is not flat:
+            if needs_pad:
                 padded[:numel].copy_(flat)
+                padded[numel:].zero_()
             group.handle.Alltoall(send, recv)
             reduce_rows_into(mine, received.view(n, chunk), op)
-            group.handle.Allgather(mine_a, padded_a)
-            if padded is not flat:
+            group.handle.Allgather(mine_a, send)
+            if needs_pad:
                 flat.copy_(padded[:numel])
+            self._scratch.give_back(buf)
 
         handle = self._submit("all_reduce", group, run)
         handle.wire_payload_bytes = chunk * n * tensor.element_size()
@@ -268,6 +275,7 @@ class MpiCommunicator(Communicator):
         """Finish queued calls and stop the worker thread. MPI itself is finalized by
         mpi4py at exit (torch.distributed's gloo rendezvous may still need it)."""
         thread, self._thread = self._thread, None
+        self._scratch.clear()
         if thread is not None and not thread.stop(timeout=self.timeout):
             print(f"zero-core: the MPI worker thread is still inside "
                   f"'{thread.busy_with}' after {self.timeout:g} s", file=sys.stderr, flush=True)

@@ -40,7 +40,7 @@ from zero_core.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable, CommError
 from zero_core.runtime import init_torch_distributed
 
-from . import refuse_integer_average, reduce_rows_into
+from . import ScratchPool, refuse_integer_average, reduce_rows_into
 
 # gloo: "Operation timed out!"; gloo transport: "Timed out waiting 5000ms for recv
 # operation to complete"; both mean "not done yet", not "broken".
@@ -243,6 +243,13 @@ class GlooCommunicator(TorchDistCommunicator):
     all_gather_via_p2p: ClassVar[bool] = True
     reduce_scatter_via_all_to_all: ClassVar[bool] = True
 
+    def __init__(self, launch, topology, timeout: float = 300.0):
+        self._scratch = ScratchPool()
+        super().__init__(launch, topology, timeout)
+
+    def shutdown(self) -> None:
+        self._scratch.clear()
+
     def _all_gather_into(self, output, input, group) -> Handle:
         if not self.all_gather_via_p2p or group.size == 1:
             return super()._all_gather_into(output, input, group)
@@ -268,11 +275,15 @@ class GlooCommunicator(TorchDistCommunicator):
             return super()._reduce_scatter(output, input, op, group)
         refuse_integer_average("reduce_scatter", op, input.dtype, group)
         n = group.size
-        received = torch.empty_like(input)
+        received, buf = self._scratch.take(input.numel(), input.dtype)
         work = _launch("reduce_scatter", group, lambda: _dist().all_to_all_single(
             received, input, group=group.handle, async_op=True))
-        handle = _handle("reduce_scatter", group, self.timeout, [work],
-                         finish=lambda: reduce_rows_into(output, received.view(n, -1), op))
+
+        def finish():
+            reduce_rows_into(output, received.view(n, -1), op)
+            self._scratch.give_back(buf)
+
+        handle = _handle("reduce_scatter", group, self.timeout, [work], finish)
         handle.wire_op = "all_to_all_single"
         handle.wire_payload_bytes = input.numel() * input.element_size()
         return handle
