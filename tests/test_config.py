@@ -162,13 +162,32 @@ def test_integral_floats_accepted_for_integers_and_types_checked():
 
 
 def test_zero_stage_and_bucket_sizes():
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         assert parse_config({"zero_optimization": {"stage": stage}}).zero_optimization.stage == stage
-    msg = error_of({"zero_optimization": {"stage": 3}})
-    assert "'zero_optimization.stage' = 3" in msg and "not implemented yet" in msg and "0, 1 or 2" in msg
     for stage in (-1, 4):
         msg = error_of({"zero_optimization": {"stage": stage}})
-        assert f"'zero_optimization.stage' = {stage}" in msg and "0, 1 or 2" in msg
+        assert f"'zero_optimization.stage' = {stage}" in msg and "0, 1, 2 or 3" in msg
+
+
+def test_stage3_keys_and_their_spellings():
+    z = parse_config({"zero_optimization": {"stage": 3}}).zero_optimization
+    assert (z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold,
+            z.stage3_max_live_parameters, z.stage3_max_reuse_distance,
+            z.stage3_gather_16bit_weights_on_model_save) == (50_000_000, 100_000, 10**9, 10**9, False)
+    long = parse_config({"zero_optimization": {
+        "stage": 3, "stage3_prefetch_bucket_size": 1e3, "stage3_param_persistence_threshold": 7,
+        "stage3_max_live_parameters": 5e3, "stage3_max_reuse_distance": 0,
+        "stage3_gather_16bit_weights_on_model_save": True}})
+    short = parse_config({"zero_optimization": {
+        "stage": 3, "prefetch_bucket_size": 1000, "param_persistence_threshold": 7,
+        "max_live_parameters": 5000, "max_reuse_distance": 0,
+        "stage3_gather_fp16_weights_on_model_save": True}})
+    assert long == short and long.zero_optimization.stage3_max_live_parameters == 5000
+    msg = error_of({"zero_optimization": {"stage3_max_live_parameters": 10,
+                                          "max_live_parameters": 10}})
+    assert "max_live_parameters" in msg and "keep one spelling" in msg
+    msg = error_of({"zero_optimization": {"stage3_max_live_parameters": 0}})
+    assert "'zero_optimization.stage3_max_live_parameters' = 0" in msg
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         msg = error_of({"zero_optimization": {key: 0}})
         assert f"'zero_optimization.{key}' = 0" in msg and ">= 1" in msg
@@ -298,12 +317,11 @@ def test_unknown_keys_get_a_suggestion():
 NOT_IMPLEMENTED_CASES = [
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer"),
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param"),
-    ({"zero_optimization": {"stage3_prefetch_bucket_size": 5e8}}, "zero_optimization.stage3_prefetch_bucket_size"),
-    ({"zero_optimization": {"stage3_param_persistence_threshold": 1e4}},
-     "zero_optimization.stage3_param_persistence_threshold"),
-    ({"zero_optimization": {"stage3_max_live_parameters": 1e9}}, "zero_optimization.stage3_max_live_parameters"),
-    ({"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": True}},
-     "zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+    ({"zero_optimization": {"stage3_model_persistence_threshold": 1e6}},
+     "zero_optimization.stage3_model_persistence_threshold"),
+    ({"zero_optimization": {"stage3_module_granularity_threshold": 100}},
+     "zero_optimization.stage3_module_granularity_threshold"),
+    ({"zero_optimization": {"stage3_some_future_option": 1}}, "zero_optimization.stage3_some_future_option"),
     ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
     ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
     ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
@@ -399,7 +417,10 @@ def test_every_supported_key_parses_and_round_trips():
                                  "total_num_steps": 70}},
         "zero_optimization": {"stage": 1, "reduce_bucket_size": 1000, "allgather_bucket_size": 2000,
                               "overlap_comm": False, "contiguous_gradients": False,
-                              "reduce_scatter": False},
+                              "reduce_scatter": False, "stage3_prefetch_bucket_size": 300,
+                              "stage3_param_persistence_threshold": 10,
+                              "stage3_max_live_parameters": 4000, "stage3_max_reuse_distance": 50,
+                              "stage3_gather_16bit_weights_on_model_save": True},
         "accelerator": "cpu", "comm_backend": "gloo", "comm_timeout": 12.5,
         "topology": {"ranks_per_node": 1},
     }

@@ -57,12 +57,25 @@ scheduler.params.total_num_steps (WarmupDecayLR, WarmupCosineLR)  required      
 scheduler.params.warmup_min_ratio (WarmupCosineLR)                0.0           in [0, 1], × optimizer lr
 scheduler.params.cos_min_ratio (WarmupCosineLR)                   1e-4          in [0, 1], × optimizer lr
 scheduler.params.last_batch_iteration                             -1            >= -1 (resume position)
-zero_optimization.stage                                           0             0, 1 or 2 (3 not yet)
+zero_optimization.stage                                           0             0, 1, 2 or 3
 zero_optimization.reduce_bucket_size                              5e8           elements, >= 1
 zero_optimization.allgather_bucket_size                           5e8           elements, >= 1
 zero_optimization.overlap_comm                                    true          bool
 zero_optimization.contiguous_gradients                            true          bool
 zero_optimization.reduce_scatter                                  true          bool
+zero_optimization.stage3_prefetch_bucket_size                     5e7           elements gathered ahead of use, >= 0
+zero_optimization.stage3_param_persistence_threshold              1e5           parameters with fewer elements stay
+                                                                                gathered until the next step, >= 0
+zero_optimization.stage3_max_live_parameters                      1e9           elements gathered at once, >= 1
+zero_optimization.stage3_max_reuse_distance                       1e9           keep a parameter gathered if it is used
+                                                                                again within this many elements, >= 0
+zero_optimization.stage3_gather_16bit_weights_on_model_save       false         bool; save_16bit_model() gathers
+zero_optimization.prefetch_bucket_size                                          = stage3_prefetch_bucket_size
+zero_optimization.param_persistence_threshold                                   = stage3_param_persistence_threshold
+zero_optimization.max_live_parameters                                           = stage3_max_live_parameters
+zero_optimization.max_reuse_distance                                            = stage3_max_reuse_distance
+zero_optimization.gather_16bit_weights_on_model_save                            = stage3_gather_16bit_weights_on_...
+zero_optimization.stage3_gather_fp16_weights_on_model_save                      = stage3_gather_16bit_weights_on_...
 activation_checkpointing.partition_activations                    false         bool; split saved inputs across the
                                                                                 model-parallel group (mpu in configure)
 activation_checkpointing.cpu_checkpointing                        false         bool; saved inputs in host memory (also
@@ -83,6 +96,9 @@ Batch size: ``train_batch_size = train_micro_batch_size_per_gpu × gradient_accu
 × world_size``. Any two of the three fill in the third; all three must multiply out. If only
 one is given, gradient_accumulation_steps is 1. If neither train_batch_size nor the micro
 batch is given (DeepSpeed refuses this; zero-core defaults), the micro batch is 1.
+
+The ``stage3_*`` keys have no effect below stage 3 (DeepSpeed configs often carry them); each
+may be given under one of its spellings only.
 
 Integer sizes may be written as integral floats (``5e8``). ``zero_optimization.overlap_comm``
 defaults to true here (DeepSpeed: false for stages 0-2); it changes speed, not results.
@@ -144,7 +160,14 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
     "scheduler.params:WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps",
                                         "cos_min_ratio", "warmup_type", "last_batch_iteration"),
     "zero_optimization": ("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-                          "contiguous_gradients", "reduce_scatter"),
+                          "contiguous_gradients", "reduce_scatter",
+                          "stage3_prefetch_bucket_size", "prefetch_bucket_size",
+                          "stage3_param_persistence_threshold", "param_persistence_threshold",
+                          "stage3_max_live_parameters", "max_live_parameters",
+                          "stage3_max_reuse_distance", "max_reuse_distance",
+                          "stage3_gather_16bit_weights_on_model_save",
+                          "gather_16bit_weights_on_model_save",
+                          "stage3_gather_fp16_weights_on_model_save"),
     "topology": ("ranks_per_node",),
     "activation_checkpointing": ("partition_activations", "cpu_checkpointing",
                                  "contiguous_memory_optimization", "number_checkpoints",
@@ -214,15 +237,13 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
     "optimizer.params:Adam": {"amsgrad": "AMSGrad", "fused": "the fused torch kernel switch"},
     "optimizer.params:AdamW": {"amsgrad": "AMSGrad", "fused": "the fused torch kernel switch"},
     "zero_optimization": {
-        "stage3_*": "ZeRO stage 3",
-        "prefetch_bucket_size": "ZeRO stage 3 prefetching",
-        "param_persistence_threshold": "ZeRO stage 3 persistent parameters",
-        "model_persistence_threshold": "ZeRO stage 3 persistent parameters",
-        "max_live_parameters": "ZeRO stage 3 live-parameter limit",
-        "max_reuse_distance": "ZeRO stage 3 reuse distance",
-        "gather_16bit_weights_on_model_save": "ZeRO stage 3 16-bit model saving",
+        "stage3_model_persistence_threshold": "ZeRO stage 3 whole-model persistence limit",
+        "model_persistence_threshold": "ZeRO stage 3 whole-model persistence limit",
+        "stage3_module_granularity_threshold": "ZeRO stage 3 module granularity",
         "module_granularity_threshold": "ZeRO stage 3 module granularity",
+        "stage3_use_all_reduce_for_fetch_params": "ZeRO stage 3 all-reduce fetch",
         "use_all_reduce_for_fetch_params": "ZeRO stage 3 all-reduce fetch",
+        "stage3_*": "this ZeRO stage 3 option",
         "offload_optimizer": "optimizer offload (ZeRO-Offload)",
         "offload_param": "parameter offload (ZeRO-Infinity)",
         "cpu_offload": "optimizer offload (ZeRO-Offload)",
@@ -292,7 +313,7 @@ _OPTIMIZERS_NOT_YET = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Muon"
                        "Lion", "FusedAdam", "CPUAdam", "Adafactor", "RMSprop")
 _SCHEDULERS_NOT_YET = ("LRRangeTest", "OneCycle")
 
-MAX_ZERO_STAGE = 2  # stages above this are refused as "not implemented yet"
+MAX_ZERO_STAGE = 3  # stages above this are refused as "not implemented yet"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,6 +393,12 @@ class ZeroConfig:
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
+    # stage 3 (elements; DeepSpeed's defaults)
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
 
 
 @dataclass(frozen=True)
@@ -785,15 +812,20 @@ def _parse_zero(raw: Any) -> ZeroConfig:
     s = _Section(raw, "zero_optimization", "zero_optimization")
     if s.has("stage"):
         stage = s.get("stage", 0, _as_int)
-        if stage == 3:
-            raise _fail("zero_optimization.stage", 3, f"ZeRO stage 3 is not implemented yet in "
-                                                      f"zero-core; use 0, 1 or 2")
         if not 0 <= stage <= MAX_ZERO_STAGE:
             raise _fail("zero_optimization.stage", stage,
-                        f"expected 0, 1 or 2 (0 = DDP, 1 = optimizer states partitioned, "
-                        f"2 = + gradients partitioned)")
+                        f"expected 0, 1, 2 or 3 (0 = DDP, 1 = optimizer states partitioned, "
+                        f"2 = + gradients partitioned, 3 = + parameters partitioned)")
     else:
         stage = 0
+
+    def stage3(names, default, conv, *bounds):
+        given = [n for n in names if s.has(n)]
+        if len(given) > 1:
+            raise _fail(f"zero_optimization.{given[1]}", s.raw[given[1]],
+                        f"also given as zero_optimization.{given[0]}; keep one spelling")
+        return s.get(given[0], default, conv, *bounds) if given else default
+
     return ZeroConfig(
         stage=stage,
         reduce_bucket_size=s.get("reduce_bucket_size", 500_000_000, _as_int, 1),
@@ -801,6 +833,18 @@ def _parse_zero(raw: Any) -> ZeroConfig:
         overlap_comm=s.get("overlap_comm", True, _as_bool),
         contiguous_gradients=s.get("contiguous_gradients", True, _as_bool),
         reduce_scatter=s.get("reduce_scatter", True, _as_bool),
+        stage3_prefetch_bucket_size=stage3(
+            ("stage3_prefetch_bucket_size", "prefetch_bucket_size"), 50_000_000, _as_int, 0),
+        stage3_param_persistence_threshold=stage3(
+            ("stage3_param_persistence_threshold", "param_persistence_threshold"), 100_000,
+            _as_int, 0),
+        stage3_max_live_parameters=stage3(
+            ("stage3_max_live_parameters", "max_live_parameters"), 1_000_000_000, _as_int, 1),
+        stage3_max_reuse_distance=stage3(
+            ("stage3_max_reuse_distance", "max_reuse_distance"), 1_000_000_000, _as_int, 0),
+        stage3_gather_16bit_weights_on_model_save=stage3(
+            ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+             "stage3_gather_fp16_weights_on_model_save"), False, _as_bool),
     )
 
 
