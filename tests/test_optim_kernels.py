@@ -16,8 +16,9 @@ e.g. for the parameter |p_old| + |decay term| + |update|. 16 ulps leave room for
 fused kernels' different operation order (FMA, reciprocal multiply) while still being
 small enough that a learning rate off by 1e-5 relative, a bias correction computed from
 an fp32-rounded beta2, or eps moved inside the square root each fail it (checked by
-mutating a copy of the reference while writing these tests). A free-running 50-step trajectory is also
-compared with a looser bound (errors may add up over steps: 50x the per-step bound).
+mutating a copy of the reference while writing these tests). A free-running 50-step
+trajectory is also compared, with the per-step bounds summed over the steps (errors may
+add up).
 """
 from __future__ import annotations
 
