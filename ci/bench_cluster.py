@@ -130,6 +130,10 @@ def main(argv=None) -> int:
                         "stand-in ci/bench_workers/comm_volume.py")
     p.add_argument("--worker-args", default="", help="extra arguments for the worker, one string")
     p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--launcher", choices=("torchrun", "mpirun"), default="torchrun",
+                   help="start ranks torchrun-style or as one Open MPI job across both nodes "
+                        "(with the stand-in worker, add --worker-args '--comm mpi' to carry "
+                        "the collectives over MPI too)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per worker run")
@@ -163,7 +167,7 @@ def main(argv=None) -> int:
                     row = {"rate": format_rate(cluster.rate_bps), "variant": variant}
                     try:
                         results = cluster.run_ranks(a.worker, a.ranks_per_node, args=args,
-                                                    timeout=a.timeout)
+                                                    timeout=a.timeout, launcher=a.launcher)
                         row.update(summarize([r.report for r in results], cluster.rate_bps))
                     except Exception as exc:  # one failing run must not lose the others
                         row["error"] = f"{type(exc).__name__}: {exc}"
@@ -180,7 +184,7 @@ def main(argv=None) -> int:
         "benchmark": "emulated two-node cluster",
         "worker": os.path.relpath(a.worker, REPO),
         "worker_args": a.worker_args,
-        "nodes": NUM_NODES, "ranks_per_node": a.ranks_per_node,
+        "nodes": NUM_NODES, "ranks_per_node": a.ranks_per_node, "launcher": a.launcher,
         "steps": a.steps, "warmup": a.warmup, "delay": a.delay,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "kernel": platform.release()},

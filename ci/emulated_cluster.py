@@ -376,10 +376,10 @@ class EmulatedCluster:
     def close(self) -> None:
         """End every rank, remove namespaces and links, release the lock. Idempotent."""
         # a second Ctrl-C / SIGTERM must not cut the clean-up short: hold them until done
-        blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
         in_main = threading.current_thread() is threading.main_thread()
         if in_main:
-            signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+            previous_mask = signal.pthread_sigmask(
+                signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
         try:
             self._kill_ranks()
             if self._lock_fh is not None:
@@ -394,8 +394,8 @@ class EmulatedCluster:
             atexit.unregister(self.close)
             self._restore_signal_handlers()
         finally:
-            if in_main:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+            if in_main:  # held signals are delivered now, to the handlers from before
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -331,8 +331,11 @@ def test_leftovers_of_a_killed_run_are_removed_at_start(privileged):
         ec.cleanup(PREFIX)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 128 + 15), (signal.SIGINT, 128 + 2)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 128 + 15), (signal.SIGINT, 128 + 2),
+                                       (signal.SIGKILL, -9)])
 def test_signals_remove_the_cluster(privileged, sig, code):
+    """SIGTERM/SIGINT: the process removes its cluster on the way out. SIGKILL cannot be
+    caught: the next cluster of the same prefix removes what is left when it starts."""
     proc = subprocess.Popen([sys.executable, CLUSTER_PY, "hold", "--prefix", PREFIX,
                              "--subnet", SUBNET, "--rate", "100mbit"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -346,4 +349,9 @@ def test_signals_remove_the_cluster(privileged, sig, code):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    if sig == signal.SIGKILL:
+        assert len(ec.leftovers(PREFIX)) == 2
+        with _cluster(rate="1gbit"):
+            # `ip netns add` of the same names succeeded: the old ones were removed first
+            assert len(ec.leftovers(PREFIX)) == 2
     assert ec.leftovers(PREFIX) == []
