@@ -32,13 +32,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _interface_addresses() -> list[tuple[str, str]]:
+    """(interface, IPv4 address) of every non-loopback interface that has one (Linux)."""
+    import fcntl
+    import struct
+    found = []
+    for _, name in socket.if_nameindex():
+        if name == "lo":
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                     struct.pack("256s", name[:15].encode()))
+            except OSError:  # interface without an IPv4 address
+                continue
+        found.append((name, socket.inet_ntoa(packed[20:24])))
+    return found
+
+
 def _own_address() -> str:
-    """An address of this host that peers can reach (loopback when alone on one host)."""
-    host = socket.gethostname()
+    """An address of this host that peers on other hosts can reach.
+
+    Order: ZERO_CORE_MASTER_IFNAME's address (or GLOO_SOCKET_IFNAME's, the interface gloo
+    is told to use), the host name if it resolves to a non-loopback address, else the first
+    non-loopback interface address. Hosts whose names do not resolve are common in clusters
+    and containers, so the host name alone is not trusted.
+    """
+    wanted = os.environ.get("ZERO_CORE_MASTER_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME")
+    addresses = []
     try:
-        return socket.gethostbyname(host)
+        addresses = _interface_addresses()
+    except (ImportError, OSError):
+        pass
+    if wanted:
+        for name, addr in addresses:
+            if name == wanted.split(",")[0]:
+                return addr
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+        if not addr.startswith("127."):
+            return addr
     except OSError:
-        return "127.0.0.1"
+        pass
+    if addresses:
+        return addresses[0][1]
+    raise BackendUnavailable(
+        "cannot find an address of this host that other hosts can reach (its name does not "
+        "resolve and no interface has an IPv4 address): export MASTER_ADDR and MASTER_PORT, "
+        "or ZERO_CORE_MASTER_IFNAME=<interface>")
 
 
 def ensure_master_addr(launch: LaunchInfo) -> None:
