@@ -33,8 +33,8 @@ from .runtime import Runtime, init_distributed
 
 
 class ZeroEngine(torch.nn.Module):
-    """Wraps *model* for data-parallel ZeRO training (stages 0, 1, 2). Build it with
-    :func:`initialize`."""
+    """Wraps *model* for data-parallel ZeRO training (stages 0, 1, 2; stage 3 is the
+    subclass in stage3/engine.py). Build it with :func:`initialize`."""
 
     def __init__(self, model: torch.nn.Module, config: Config, runtime: Runtime,
                  optimizer=None, model_parameters=None, lr_scheduler=None):
@@ -63,9 +63,7 @@ class ZeroEngine(torch.nn.Module):
                 else rule_from_config(config.optimizer))
         groups = collect_param_groups(model, model_parameters, optimizer)
 
-        model.to(self.device)
-        broadcast_buffers(model, self.comm)
-        check_parameters_match(model, self.comm)
+        self._prepare_model(model)
         self._build_buffers(model, groups)
 
         hyper_groups = optimizer.param_groups if optimizer is not None else groups
@@ -73,11 +71,7 @@ class ZeroEngine(torch.nn.Module):
             hyper_groups, rule, self._buffers, runtime.kernels, self.comm, self.stage,
             self.memory_ledger, self.zero_grad)
         self._rule = rule
-        self.reducer = GradReducer(
-            [gb for gb in self._buffers if gb is not None], self.comm, self.stage,
-            config.zero_optimization.overlap_comm, self._registration,
-            self.is_gradient_accumulation_boundary,
-            on_allocate=lambda t: self.memory_ledger.track("communication_buffers", t))
+        self.reducer = self._build_reducer()
         self.reducer.register_hooks()
         self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
         self.lr_scheduler = self._resolve_scheduler(lr_scheduler)
@@ -96,6 +90,21 @@ class ZeroEngine(torch.nn.Module):
                 return made
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer (or a callable "
                           f"returning one), got {type(optimizer).__name__}")
+
+    # Hook points: the stage-3 engine (stage3/engine.py) overrides these three.
+    def _prepare_model(self, model):
+        """Move *model* to the device and make every rank start from the same values."""
+        model.to(self.device)
+        broadcast_buffers(model, self.comm)
+        check_parameters_match(model, self.comm)
+
+    def _build_reducer(self):
+        """The gradient reducer over ``self._buffers`` (hooks not registered yet)."""
+        return GradReducer(
+            [gb for gb in self._buffers if gb is not None], self.comm, self.stage,
+            self.config.zero_optimization.overlap_comm, self._registration,
+            self.is_gradient_accumulation_boundary,
+            on_allocate=lambda t: self.memory_ledger.track("communication_buffers", t))
 
     def _build_buffers(self, model, groups):
         self._registration = {}
@@ -311,6 +320,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     if cfg.optimizer is not None and optimizer is not None:
         raise ConfigError("an 'optimizer' section in the config and optimizer= were both "
                           "given; keep one")
-    engine = ZeroEngine(model, cfg, runtime, optimizer=optimizer,
-                        model_parameters=model_parameters, lr_scheduler=lr_scheduler)
+    engine_class = ZeroEngine
+    if cfg.zero_optimization.stage == 3:
+        from .stage3.engine import Stage3Engine as engine_class
+    engine = engine_class(model, cfg, runtime, optimizer=optimizer,
+                          model_parameters=model_parameters, lr_scheduler=lr_scheduler)
     return engine, engine.optimizer, None, engine.lr_scheduler

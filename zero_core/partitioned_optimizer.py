@@ -96,7 +96,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 grad, scratch = self._fp32_grad(gb, k)
                 send = self._send_buffer(gb, k, inflight)
                 lowp = send if gb.mixed and send is not None else None
-                if gb.mixed and self.stage == 0:
+                if gb.mixed and self.stage in (0, 3):
+                    # stage 0: the whole bucket; stage 3: param_buf is this rank's partition
                     lowp = gb.param_buf.bucket(k)
                 master = gb.master_bucket(k)
                 self._kernel(j, hp, master, grad, k, lowp)
@@ -145,8 +146,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         return s, s
 
     def _send_buffer(self, gb: GroupBuffers, k: int, inflight):
-        """Stages 1/2: the buffer this rank all-gathers from for bucket *k*."""
-        if self.stage == 0:
+        """Stages 1/2: the buffer this rank all-gathers from for bucket *k* (stage 3 keeps
+        parameters partitioned: nothing to gather after the step)."""
+        if self.stage in (0, 3):
             return None
         return self._send.take(gb.layout.shard_size(k), lambda: self._finish_one(inflight))
 
@@ -225,7 +227,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         for j, _ in self._inner_map:
             gb = self.buffers[j]
             for k in range(gb.num_buckets):
-                if self.stage == 0:
+                if self.stage in (0, 3):
                     if gb.mixed:
                         gb.param_buf.bucket(k).copy_(gb.master.bucket(k))
                     continue
