@@ -292,6 +292,33 @@ class ZeroEngine(torch.nn.Module):
         """Remove the backward hooks (the model keeps its current values)."""
         self.reducer.remove_hooks()
 
+    # ---- checkpoints (engine_checkpoint.py: format, resharding, the hooks below) -------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+        """Collective: save everything needed to resume into ``save_dir/tag`` (default tag
+        ``global_step<N>``) atomically; returns that directory."""
+        from .engine_checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False):
+        """Collective: load checkpoint *tag* (default: ``latest``), saved with any world size
+        and stage; returns ``(checkpoint directory, client_state)``."""
+        from .engine_checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
+
+    def _checkpoint_fragments(self, purpose):
+        from .engine_checkpoint import zero_fragments
+        return zero_fragments(self, purpose)
+
+    def _checkpoint_restored(self):
+        from .engine_checkpoint import zero_restored
+        zero_restored(self)
+
+    def _checkpoint_layout(self):
+        from .engine_checkpoint import zero_layout
+        return zero_layout(self)
+
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, mpu=None, dist_init_required=None,
