@@ -6,7 +6,11 @@ every accelerator, communicator, plugin and kernel set with why it is (not) usab
 which accelerator, communicator and kernel set a job started here would use, and why.
 It initializes nothing: no torch.distributed, no MPI_Init, no device context.
 
-Subcommands are argparse subparsers, so later ones (``zero-core convert``) sit beside it.
+``zero-core convert CHECKPOINT_DIR OUT [--tag T] [--dtype fp32|bf16] [--optimizer-states]``
+consolidates a checkpoint (any world size and stage) into one safetensors state dict
+(convert.py).
+
+Subcommands are argparse subparsers.
 """
 from __future__ import annotations
 
@@ -327,6 +331,20 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_convert(args) -> int:
+    from .convert import convert
+    try:
+        summary = convert(args.checkpoint_dir, args.out, tag=args.tag, dtype=args.dtype,
+                          optimizer_states=args.optimizer_states, progress=not args.quiet)
+    except (ZeroCoreError, OSError) as exc:
+        print(f"zero-core convert: {exc}", file=sys.stderr)
+        return 2
+    extra = (f" and {summary['optimizer_out']}" if "optimizer_out" in summary else "")
+    print(f"wrote {summary['tensors']} tensors ({summary['bytes'] / 2 ** 20:.1f} MiB) of "
+          f"checkpoint '{summary['tag']}' to {summary['out']}{extra}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zero-core", description="ZeRO for PyTorch on any accelerator: tools.")
@@ -347,6 +365,23 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--check", action="store_true",
                         help="exit 1 if a plugin is broken or nothing can be selected")
     report.set_defaults(func=_cmd_report)
+    convert = sub.add_parser(
+        "convert", help="consolidate a checkpoint into one safetensors state dict",
+        description="Write the checkpoint's parameters (and buffers) as one safetensors file "
+                    "with the model's own state_dict keys, loadable with "
+                    "model.load_state_dict(safetensors.torch.load_file(OUT)). Works for any "
+                    "world size and stage; memory stays at about one tensor.")
+    convert.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
+                         help="the save_dir given to save_checkpoint (or one tag directory)")
+    convert.add_argument("out", metavar="OUT", help="output .safetensors file")
+    convert.add_argument("--tag", help="which checkpoint (default: the one named in 'latest')")
+    convert.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                         help="dtype of the floating-point weights written (default fp32)")
+    convert.add_argument("--optimizer-states", action="store_true",
+                         help="also write <OUT stem>.optim.safetensors: every optimizer state "
+                              "per parameter (full shape, fp32) and the hyperparameters")
+    convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    convert.set_defaults(func=_cmd_convert)
     return parser
 
 

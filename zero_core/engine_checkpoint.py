@@ -182,8 +182,9 @@ def zero_restored(engine) -> None:
 
 def zero_layout(engine) -> list:
     """``_checkpoint_layout`` of the stage 0-2 engine: each group's flat layout."""
+    names = parameter_names(engine.module)
     return [None if gb is None else {
-        "numels": list(gb.layout.numels), "bucket_sizes": list(gb.layout.bucket_sizes),
+        "params": [names[id(p)] for p in gb.params], "numels": list(gb.layout.numels), "bucket_sizes": list(gb.layout.bucket_sizes),
         "alignment": gb.layout.alignment, "world_size": gb.layout.world_size}
         for gb in engine._buffers]
 

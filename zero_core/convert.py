@@ -1,0 +1,243 @@
+"""Consolidate a checkpoint into one safetensors state dict (``zero-core convert``).
+
+The output has the model's own ``state_dict()`` keys (tied parameters under each of their
+names, persistent buffers included), so plain PyTorch loads it::
+
+    model.load_state_dict(safetensors.torch.load_file(OUT))
+
+Memory stays bounded by about one tensor: the output header is computed from the
+checkpoint's metadata alone, then each parameter is assembled from its fragments (read
+with ``pread`` from whichever shards hold them), written, and dropped. Every shard is
+verified against its recorded SHA-256 before its first read.
+
+``--optimizer-states`` also writes ``<OUT stem>.optim.safetensors``: one full-shape fp32
+tensor per parameter and state, named ``<state>/<parameter>`` (``exp_avg/l1.weight``),
+with the optimizer kind, per-group hyperparameters, step counts and member parameters as
+JSON in the header's ``__metadata__["optimizer"]``.
+
+A DeepSpeed ZeRO checkpoint directory (``zero_pp_rank_*_optim_states.pt`` and
+``*_model_states.pt``) is recognized and read by :func:`read_deepspeed` (see there).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from . import checkpoint_store as store
+from .checkpoint_store import CheckpointError, TensorEntry, dtype_from_name
+from .engine_checkpoint import MASTER, PARAM, fragment_index
+
+OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Progress:
+    """A progress bar on stderr: redrawn in place on a terminal, a line per 10% otherwise."""
+
+    def __init__(self, total_bytes: int, label: str, stream=None, enabled: bool = True):
+        self.total, self.done, self.count = max(1, total_bytes), 0, 0
+        self.label, self.stream, self.enabled = label, stream or sys.stderr, enabled
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.start = time.monotonic()
+        self._last_decile = -1
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.count += 1
+        if not self.enabled:
+            return
+        frac = min(1.0, self.done / self.total)
+        decile = int(frac * 10)
+        if not self.tty and decile == self._last_decile:
+            return
+        self._last_decile = decile
+        bar = "#" * int(frac * 30) + "." * (30 - int(frac * 30))
+        line = (f"{self.label} [{bar}] {frac * 100:5.1f}% {self.count} tensors "
+                f"{self.done / 2 ** 20:.1f}/{self.total / 2 ** 20:.1f} MiB "
+                f"{time.monotonic() - self.start:.1f}s")
+        self.stream.write(("\r" + line) if self.tty else line + "\n")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class ShardSet:
+    """Open, verified shard readers of one checkpoint (each file hashed once)."""
+
+    def __init__(self, tag_dir: str, meta: dict):
+        self.tag_dir, self.meta = tag_dir, meta
+        self._readers: dict[str, store.SafetensorsReader] = {}
+
+    def get(self, name: str) -> store.SafetensorsReader:
+        if name not in self._readers:
+            self._readers[name] = store.open_shard(self.tag_dir, name, self.meta)
+        return self._readers[name]
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+
+
+def assemble(shards: ShardSet, pieces: list, name: str, numel: int, keys, dtype=torch.float32,
+             where: str = "") -> torch.Tensor:
+    """Parameter *name*'s flat values of the first of *keys* each fragment holds, from its
+    saved fragments *pieces* (``fragment_index`` entries); refuses gaps."""
+    out = torch.empty(numel, dtype=dtype)
+    covered = 0
+    for file, start, end, fkeys in pieces:
+        src = next((fkeys[k] for k in keys if k in fkeys), None)
+        if src is None:
+            raise CheckpointError(f"{where}: fragment [{start}, {end}) of {name!r} in {file} "
+                                  f"has none of {list(keys)} (it holds {sorted(fkeys)})")
+        col, off = src
+        out[start:end].copy_(shards.get(file).read(col, int(off), end - start))
+        covered += end - start
+    if covered != numel or numel and (pieces[0][1] != 0 or pieces[-1][2] != numel):
+        raise CheckpointError(f"{where}: the fragments of {name!r} cover {covered} of its "
+                              f"{numel} elements: the index is damaged")
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def optim_path(out: str) -> str:
+    """Where ``--optimizer-states`` writes, next to *out*."""
+    stem = out[:-len(".safetensors")] if out.endswith(".safetensors") else out
+    return stem + ".optim.safetensors"
+
+
+def convert(checkpoint_dir: str, out: str, tag: str | None = None, dtype: str = "fp32",
+            optimizer_states: bool = False, progress: bool = True) -> dict:
+    """Write checkpoint *tag* (default: latest) of *checkpoint_dir* as one safetensors state
+    dict at *out* (weights in *dtype*: "fp32" or "bf16"). Returns a summary dict (paths,
+    tensor count, bytes)."""
+    if dtype not in OUT_DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r}: use one of {sorted(OUT_DTYPES)}")
+    if is_deepspeed_checkpoint(checkpoint_dir, tag):
+        return read_deepspeed(checkpoint_dir, out, tag, dtype, optimizer_states, progress)
+    tag_dir, meta = store.read_metadata(checkpoint_dir, tag)
+    where = os.path.join(tag_dir, store.METADATA)
+    if "model" not in meta:
+        raise CheckpointError(f"{where} describes no model: not an engine checkpoint")
+    model = meta["model"]
+    index = fragment_index(meta)
+    out_dtype = OUT_DTYPES[dtype]
+    shards = ShardSet(tag_dir, meta)
+    try:
+        entries = []
+        for key in model["state_dict_keys"]:
+            target = model["aliases"].get(key, key)
+            if target in model["params"]:
+                spec = model["params"][target]
+                saved = dtype_from_name(spec["dtype"])
+                numel = _numel(spec["shape"])
+                to = out_dtype if saved.is_floating_point else saved
+                pieces = index.get(target, [])
+
+                def produce(target=target, numel=numel, pieces=pieces, shape=spec["shape"], to=to):
+                    flat = assemble(shards, pieces, target, numel, (MASTER, PARAM),
+                                    torch.float32 if to.is_floating_point else to, where)
+                    return [flat.to(to)]
+                entries.append(TensorEntry(key, to, spec["shape"], produce))
+            elif key in model["buffers"]:
+                spec = model["buffers"][key]
+                file = meta.get("buffers_in", store.shard_name(0))
+                entries.append(TensorEntry(key, dtype_from_name(spec["dtype"]), spec["shape"],
+                                           lambda key=key, file=file: [shards.get(file).read("buffer." + key)]))
+            else:
+                raise CheckpointError(f"{where}: state_dict key {key!r} is neither a parameter "
+                                      f"nor a buffer of the saved model")
+        summary = {"out": out, "tag": meta.get("tag"), "tensors": len(entries),
+                   "bytes": _write(out, entries, {"format": "pt", "source": "zero-core",
+                                                  "tag": str(meta.get("tag"))},
+                                   "convert", progress)}
+        if optimizer_states:
+            summary["optimizer_out"] = optim_path(out)
+            summary["optimizer_bytes"] = _write_optimizer(shards, meta, index, where,
+                                                          summary["optimizer_out"], progress)
+        return summary
+    finally:
+        shards.close()
+
+
+def _write(out: str, entries: list, metadata: dict, label: str, progress: bool) -> int:
+    bar = Progress(sum(e.nbytes for e in entries), label, enabled=progress)
+    tmp = out + ".tmp"
+    try:
+        _, size = store.write_safetensors(tmp, entries, metadata,
+                                          on_tensor=lambda e: bar.advance(e.nbytes))
+        os.replace(tmp, out)
+    finally:
+        bar.finish()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return size
+
+
+def _write_optimizer(shards: ShardSet, meta: dict, index: dict, where: str, out: str,
+                     progress: bool) -> int:
+    model = meta["model"]
+    state_keys = meta.get("optimizer", {}).get("state_keys", [])
+    entries = []
+    for name, spec in model["params"].items():
+        pieces = index.get(name, [])
+        if not pieces or MASTER not in pieces[0][3]:
+            continue  # not trained: no optimizer state
+        numel = _numel(spec["shape"])
+        for key in state_keys:
+            def produce(name=name, key=key, numel=numel, pieces=pieces, shape=spec["shape"]):
+                return [assemble(shards, pieces, name, numel, (key,), torch.float32, where)]
+            entries.append(TensorEntry(f"{key}/{name}", torch.float32, spec["shape"], produce))
+    common = store.load_plain(shards.tag_dir, meta.get("common", store.COMMON), meta)
+    groups = []
+    layout = meta.get("layout") or []
+    for j, hyper in enumerate(meta.get("optimizer", {}).get("groups", [])):
+        counts = common.get("optimizer", {}).get("step_counts", [])
+        members = layout[j].get("params") if j < len(layout) and layout[j] else None
+        groups.append({"hyperparameters": hyper, "step": counts[j] if j < len(counts) else None,
+                       "params": members})
+    info = {"kind": meta.get("optimizer", {}).get("kind"), "state_keys": state_keys,
+            "param_groups": groups, "global_steps": common.get("global_steps")}
+    return _write(out, entries, {"format": "zero-core-optimizer-states", "version": "1",
+                                 "optimizer": json.dumps(info)}, "optimizer states", progress)
+
+
+# ---- DeepSpeed ZeRO checkpoints ------------------------------------------------------------
+def is_deepspeed_checkpoint(path: str, tag: str | None) -> bool:
+    """Whether *path* (with *tag* or its ``latest``) holds DeepSpeed ZeRO files rather than
+    a zero-core checkpoint."""
+    for d in _deepspeed_dirs(path, tag):
+        if os.path.isdir(d) and any(f.endswith("_optim_states.pt") or f.endswith("_model_states.pt")
+                                    for f in os.listdir(d)):
+            return not os.path.exists(os.path.join(d, store.METADATA))
+    return False
+
+
+def _deepspeed_dirs(path: str, tag: str | None) -> list:
+    if tag is not None:
+        return [os.path.join(path, str(tag))]
+    out = [path]
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as fh:
+            name = fh.read().strip()
+        if name and "/" not in name and not name.startswith("."):
+            out.insert(0, os.path.join(path, name))
+    return out
+
+
+def read_deepspeed(path, out, tag, dtype, optimizer_states, progress) -> dict:
+    raise CheckpointError(f"{path} is a DeepSpeed checkpoint; reading DeepSpeed "
+                          f"checkpoints is not implemented yet")
