@@ -1,0 +1,17 @@
+"""ZeRO stage 3: parameters partitioned too, gathered around each module's use.
+
+Where things are:
+
+- partitioned_params.py — the parameter class and the error for unguarded reads;
+- units.py — fetch units (which parameters are gathered together) and their layout;
+- buffers.py — a group's flat partitions (parameters, fp32 master, gradients);
+- gather.py — all-gather and release of a unit;
+- prefetch.py — execution-order recording; coordinator.py — gather/prefetch/release policy;
+- module_hooks.py — forward/backward hooks, register_external_parameter;
+- grad_reduce.py — reduce-scatter of unit gradients into the partitions;
+- init_context.py — zero_core.Init and zero_core.GatheredParameters;
+- state_dict.py — consolidated state dict; engine.py — Stage3Engine.
+"""
+from .init_context import GatheredParameters, Init  # noqa: F401
+from .module_hooks import register_external_parameter, unregister_external_parameter  # noqa: F401
+from .partitioned_params import ParameterNotGatheredError  # noqa: F401

@@ -1,0 +1,128 @@
+"""When stage 3 gathers, prefetches and releases each fetch unit.
+
+* forward: a module's pre-hook requests its units (gathered before it runs, then the
+  next recorded units are prefetched); its post-hook releases each unit no running
+  module uses, unless the unit is persistent, pinned, or reused within
+  ``stage3_max_reuse_distance`` elements while the live window allows;
+* backward: a hook on the module's outputs requests its units again before the module's
+  backward; a unit is released as soon as every trainable parameter in it has delivered
+  its gradient (the gradient reducer says so), and whatever is left at the end of
+  backward is released;
+* after the optimizer step every unit is released (the partitions changed), persistent
+  ones included; they are gathered again at their first use.
+
+Prefetch never lets the live window (gathered or in-flight elements of non-persistent
+units) exceed ``stage3_max_live_parameters``, nor runs more than
+``stage3_prefetch_bucket_size`` elements ahead of the request being served.
+"""
+from __future__ import annotations
+
+import torch
+
+from .gather import UnitGatherer
+from .prefetch import ExecutionTrace
+from .units import FetchUnit
+
+
+class ParamCoordinator:
+    """Owns the gather/release decisions for *units* (see module docstring)."""
+
+    def __init__(self, units: list[FetchUnit], gatherer: UnitGatherer, prefetch_bucket_size: int,
+                 max_live_parameters: int, max_reuse_distance: int):
+        self.units = units
+        self.gatherer = gatherer
+        self.prefetch_bucket_size = prefetch_bucket_size
+        self.max_live = max_live_parameters
+        self.max_reuse = max_reuse_distance
+        self.trace = ExecutionTrace([u.padded_numel for u in units])
+        self.module_stack: list[str] = []
+        self.prefetched = 0
+        # a forward with autograd on ran and its backward has not finished yet
+        self.awaiting_backward = False
+
+    # ---- passes --------------------------------------------------------------------------
+    def start_pass(self, key) -> None:
+        """*key*: (module.training, autograd enabled) of the root forward starting."""
+        self.trace.begin(key)
+        self.awaiting_backward = bool(key[1])
+
+    @staticmethod
+    def in_backward() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    # ---- requests ------------------------------------------------------------------------
+    def request(self, units: list[FetchUnit]) -> None:
+        """Gather *units* now (they are about to be used) and prefetch what follows."""
+        for u in units:
+            self.trace.record(u.index)
+        self.gatherer.ensure(units)
+        if self.trace.following and self.prefetch_bucket_size > 0:
+            self._prefetch()
+
+    def _prefetch(self) -> None:
+        ahead = 0
+        g = self.gatherer
+        for idx in self.trace.upcoming():
+            u = self.units[idx]
+            if u.persistent:
+                g.start(u)
+                continue
+            ahead += u.padded_numel
+            if ahead > self.prefetch_bucket_size:
+                break
+            if u.state == "released":
+                if g.live_numel + u.padded_numel > self.max_live:
+                    break
+                g.start(u)
+                self.prefetched += 1
+
+    # ---- releases ------------------------------------------------------------------------
+    def _releasable(self, u: FetchUnit) -> bool:
+        return not (u.persistent or u.pins or u.active or u.pinned_for_backward)
+
+    def after_forward(self, units: list[FetchUnit]) -> None:
+        """A module's forward finished: release the units nobody needs soon."""
+        for u in units:
+            u.active -= 1
+            if not self._releasable(u) or u.state == "released":
+                continue
+            distance = self.trace.reuse_distance(u.index)
+            if (distance is not None and distance <= self.max_reuse
+                    and self.gatherer.live_numel <= self.max_live):
+                continue
+            self.gatherer.release(u)
+
+    def grads_done(self, u: FetchUnit) -> None:
+        """Every trainable parameter of *u* delivered its gradient in this backward."""
+        if self._releasable(u):
+            self.gatherer.release(u)
+
+    def end_backward(self) -> None:
+        """Release every unit no forward, pin or persistence holds."""
+        self.awaiting_backward = False
+        for u in self.units:
+            u.pinned_for_backward = False
+            if u.state != "released" and self._releasable(u):
+                self.gatherer.release(u)
+
+    def release_all(self) -> None:
+        """After the optimizer step: every gathered copy is stale."""
+        self.awaiting_backward = False
+        for u in self.units:
+            u.pinned_for_backward = False
+            if u.state != "released" and not (u.pins or u.active):
+                self.gatherer.release(u)
+
+    # ---- pins (GatheredParameters) -------------------------------------------------------
+    def pin(self, units: list[FetchUnit]) -> None:
+        for u in units:
+            u.pins += 1
+        self.gatherer.ensure(units)
+
+    def unpin(self, units: list[FetchUnit], keep_for_backward: bool) -> None:
+        for u in units:
+            u.pins -= 1
+            if keep_for_backward:
+                u.pinned_for_backward = True
+            elif self._releasable(u) and u.state != "released":
+                self.gatherer.release(u)

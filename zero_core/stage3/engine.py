@@ -1,0 +1,203 @@
+"""The ZeRO stage-3 engine: the stage 0-2 engine with parameters partitioned too.
+
+What it reuses unchanged from :class:`~zero_core.engine.ZeroEngine`: optimizer-rule
+resolution, parameter groups, the loss scaling by ``1/(world_size · accumulation)``, the
+global-norm all-reduce, fp16 overflow skipping and clipping, LR schedulers, and the
+:class:`~zero_core.partitioned_optimizer.PartitionedOptimizer` with its fused kernels
+(stage 3 steps the partitions in place; nothing is gathered after the step).
+
+What it replaces: the buffers (every group is partitions only, laid out by fetch unit —
+units.py, buffers.py), the gradient reducer (reduce-scatter per unit straight into the
+partitions — grad_reduce.py), and model preparation (parameters become
+:class:`~zero_core.stage3.partitioned_params.PartitionedParameter`\\ s, gathered around each
+module's forward and backward by module_hooks.py, coordinator.py and prefetch.py).
+
+Model-state bytes per rank: 16Ψ/N (DESIGN §4) plus padding, plus the persistent units
+(gathered copies of small parameters, kept between uses) and the live window of gathered
+units (bounded by ``stage3_max_live_parameters`` plus the units of the module running);
+``memory_report()["stage3"]`` shows both.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..errors import ConfigError
+from ..engine import ZeroEngine
+from ..model_sync import broadcast_buffers, check_parameters_match
+from . import partitioned_params as pp
+from .buffers import Stage3GroupBuffers
+from .coordinator import ParamCoordinator
+from .gather import UnitGatherer
+from .grad_reduce import Stage3GradReducer
+from .init_context import gather_own
+from .module_hooks import ModuleHooks
+from .state_dict import consolidated_state_dict
+from .units import FROZEN, coalesce_numel, plan_units
+
+log = logging.getLogger("zero_core.stage3")
+
+
+class Stage3Engine(ZeroEngine):
+    """ZeRO stage 3; build it with ``zero_core.initialize`` and ``zero_optimization.stage: 3``."""
+
+    # ---- construction (hook points of ZeroEngine) ------------------------------------------
+    def _prepare_model(self, model):
+        for m in model.modules():
+            for key, b in m._buffers.items():
+                if b is not None and b.device != self.device:
+                    m._buffers[key] = b.to(self.device)
+        broadcast_buffers(model, self.comm)
+        plain = [p for p in model.parameters() if not pp.is_partitioned(p)]
+        if plain and len(plain) == len(list(model.parameters())):
+            # built without Init: verify as stages 0-2 do (Init verified its own)
+            check_parameters_match(model, self.comm)
+        for p in plain:
+            if p.data.device != self.device:
+                p.data = p.data.to(self.device)
+
+    def _build_buffers(self, model, groups):
+        self._registration = {}
+        for p in model.parameters():
+            self._registration.setdefault(id(p), len(self._registration))
+        group_of = {id(p): FROZEN for p in model.parameters()}
+        for g, group in enumerate(groups):
+            for p in group["params"]:
+                if p.requires_grad:
+                    group_of[id(p)] = g
+        if all(g == FROZEN for g in group_of.values()):
+            raise ConfigError("no trainable parameters: every parameter passed has "
+                              "requires_grad=False (or model_parameters is empty)")
+        zc = self.config.zero_optimization
+        target = coalesce_numel(zc.stage3_prefetch_bucket_size, zc.reduce_bucket_size)
+        units, module_units = plan_units(model, group_of, zc.stage3_param_persistence_threshold,
+                                         target)
+        self.units = units
+        dtype = self.compute_dtype
+
+        def full_values(u):
+            # the unit's padded flat values in fp32; its parameters are released afterwards,
+            # so that building never holds more than the model once plus one unit
+            flat = torch.zeros(u.padded_numel, dtype=torch.float32, device=self.device)
+            for p, off, name in zip(u.params, u.offsets, u.names):
+                n = p.numel()
+                if pp.is_partitioned(p):
+                    src = gather_own(p, self.comm).narrow(0, 0, n)
+                else:
+                    src = p.data.reshape(-1)
+                flat.narrow(0, off, n).copy_(src)
+                meta = pp.mark_partitioned(p, name)
+                meta.name, meta.unit, meta.offset, meta.dtype = name, u, off, dtype
+                meta.own_part = None
+                meta.available = True
+                p.data = torch.empty(0, dtype=dtype, device=self.device)
+                meta.available = False
+            return flat
+
+        ledger = self.memory_ledger
+        self._buffers = []
+        for g in range(len(groups)):
+            mine = [u for u in units if u.group == g]
+            self._buffers.append(None if not mine else Stage3GroupBuffers(
+                mine, True, dtype, self.device, self.global_rank, self.world_size, ledger,
+                full_values))
+        frozen = [u for u in units if u.group == FROZEN]
+        self._frozen_buffers = (Stage3GroupBuffers(
+            frozen, False, dtype, self.device, self.global_rank, self.world_size, ledger,
+            full_values) if frozen else None)
+        if dtype != torch.float32:
+            for m in model.modules():
+                for key, b in m._buffers.items():
+                    if b is not None and b.is_floating_point():
+                        m._buffers[key] = b.to(dtype)
+        for b in model.buffers():
+            ledger.track("buffers", b)
+
+        self.gatherer = UnitGatherer(self.comm, dtype, self.device)
+        self.coordinator = ParamCoordinator(
+            units, self.gatherer, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
+            zc.stage3_max_reuse_distance)
+        for u in units:
+            u.owner = self.coordinator
+        unit_by_param = {id(p): u for u in units for p in u.params}
+        names = {m: (n or type(model).__name__) for n, m in model.named_modules()}
+        self.module_hooks = ModuleHooks(model, self.coordinator, module_units,
+                                        lambda p: unit_by_param.get(id(p)), names)
+        pp.running_module_hook = self.module_hooks.running_module
+        log.info("stage 3: %d parameters in %d fetch units (%d persistent)",
+                 sum(u.numel for u in units), len(units), sum(u.persistent for u in units))
+
+    def _build_reducer(self):
+        return Stage3GradReducer(
+            self.units, self.comm, self.coordinator, self.config.zero_optimization.overlap_comm,
+            on_allocate=lambda t: self.memory_ledger.track("communication_buffers", t))
+
+    # ---- training ----------------------------------------------------------------------------
+    def _optimizer_step(self):
+        super()._optimizer_step()
+        self.coordinator.release_all()  # gathered copies are stale after the update
+
+    def destroy(self) -> None:
+        """Remove hooks; parameters stay partitioned (gather them with GatheredParameters)."""
+        super().destroy()
+        self.coordinator.release_all()
+        self.module_hooks.remove()
+        if pp.running_module_hook == self.module_hooks.running_module:
+            pp.running_module_hook = None
+
+    # ---- saving --------------------------------------------------------------------------------
+    def module_state_dict(self, rank0_only: bool = False) -> dict:
+        """The model's full state dict (parameter values in the compute dtype, buffers),
+        gathered one fetch unit at a time. With *rank0_only*, other ranks get ``{}`` and
+        never hold more than one unit in full."""
+        return consolidated_state_dict(self, rank0_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Gather the model and save its state dict with ``torch.save`` from rank 0 to
+        *save_dir*/*save_filename*, as DeepSpeed does when
+        ``stage3_gather_16bit_weights_on_model_save`` is true (values in the compute
+        dtype: fp16/bf16, or fp32 in fp32 training). When that key is false nothing is
+        saved and False is returned (DeepSpeed's behaviour), with a warning."""
+        if not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            log.warning("save_16bit_model: not saved, because zero_optimization."
+                        "stage3_gather_16bit_weights_on_model_save is false; set it to true to "
+                        "gather the partitioned parameters on save")
+            return False
+        state = consolidated_state_dict(self, rank0_only=True,
+                                        exclude_frozen=exclude_frozen_parameters)
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            tmp = path + ".tmp"
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+        if self.world_size > 1:
+            self.comm.barrier()
+        return True
+
+    # ---- reports -------------------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        """Stage 0-2's report plus ``stage3``: bytes of persistent parameters (full copies
+        kept gathered), of the live window now and at its peak, and its bound
+        (stage3_max_live_parameters elements)."""
+        rep = super().memory_report()
+        elem = torch.empty((), dtype=self.compute_dtype).element_size()
+        g = self.gatherer
+        persistent = sum(u.padded_numel for u in self.units if u.persistent)
+        rep["stage3"] = {
+            "persistent_parameters": persistent * elem,
+            "persistent_parameters_gathered_now": g.persistent_numel * elem,
+            "live_window_now": g.live_numel * elem,
+            "live_window_peak": g.peak_live_numel * elem,
+            "max_live_parameters": self.config.zero_optimization.stage3_max_live_parameters * elem,
+            "largest_unit": max(u.padded_numel for u in self.units) * elem,
+            "fetch_units": len(self.units),
+            "persistent_units": sum(u.persistent for u in self.units),
+            "gathers": g.gathers,
+            "prefetched": self.coordinator.prefetched,
+            "trace_rerecorded": self.coordinator.trace.rerecorded,
+        }
+        return rep

@@ -1,0 +1,159 @@
+"""Stage-3 gradient reduction: reduce-scatter each fetch unit's gradient straight into
+this rank's partition accumulator, as backward produces it.
+
+Every trainable parameter has a ``post_accumulate_grad`` hook. Its gradient (full shape,
+compute dtype) is copied into the unit's slot of a pooled flat buffer and ``.grad`` is
+dropped at once, so a full gradient lives only until its unit is complete. When every
+parameter of the unit has delivered, the unit is reduce-scattered (asynchronously) into
+``unit.grad_part`` — directly on the first reduction after a step, through a pooled
+buffer and an add when accumulating micro-steps — and the coordinator may release the
+unit's gathered parameters.
+
+A parameter can deliver twice in one backward (activation checkpointing runs an inner
+backward for the recompute; a tied weight used inside and outside the checkpoint
+delivers in both): a second delivery after its unit was launched starts a new round of
+that unit, which is launched at the end of backward and adds to the accumulator. Units
+still incomplete at the end of backward (unused parameters) are launched with zeros in
+the missing places, in unit order.
+
+Launch order is the order units complete, which is the same on every rank (same graph,
+same deterministic autograd schedule).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..buffer_pool import BufferPool
+from ..communicator import Communicator
+from . import partitioned_params as pp
+from .coordinator import ParamCoordinator
+from .units import FetchUnit
+
+
+class Stage3GradReducer:
+    """Same interface as stages 1-2's GradReducer (register_hooks, flush, wait_all,
+    mark_fresh, remove_hooks), over fetch units."""
+
+    def __init__(self, units: list[FetchUnit], comm: Communicator, coordinator: ParamCoordinator,
+                 overlap: bool, on_allocate=None, max_inflight: int = 4):
+        self.units = [u for u in units if u.trainable]
+        self.comm, self.coord, self.overlap = comm, coordinator, overlap
+        self.max_inflight = max_inflight
+        self._slot = {}
+        for u in self.units:
+            for i, p in enumerate(u.params):
+                self._slot[id(p)] = (u, i)
+        biggest = max((u.padded_numel for u in self.units), default=1)
+        dtype = self.units[0].part.dtype if self.units else torch.float32
+        device = self.units[0].part.device if self.units else torch.device("cpu")
+        self._grad_pool = BufferPool(biggest, dtype, device, on_allocate)
+        self._out_pool = BufferPool(max(biggest // comm.world_size, 1), dtype, device, on_allocate)
+        self._fresh = {u.index: True for u in self.units}
+        self._bufs: dict[int, torch.Tensor] = {}
+        self._delivered: dict[int, set] = {}
+        self._inflight: deque = deque()
+        self._hooks = []
+        self.launches = 0
+
+    # ---- hooks -----------------------------------------------------------------------------
+    def register_hooks(self) -> None:
+        for u in self.units:
+            for p in u.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _on_grad(self, p) -> None:
+        u, slot = self._slot[id(p)]
+        buf = self._bufs.get(u.index)
+        if buf is None:
+            buf = self._bufs[u.index] = self._grad_pool.take(u.padded_numel, self._finish_oldest)
+            self._delivered[u.index] = set()
+        delivered = self._delivered[u.index]
+        n = pp.meta_of(p).numel
+        dst = buf.narrow(0, u.offsets[slot], n)
+        grad = p.grad.data.reshape(-1)
+        if slot in delivered:
+            dst.add_(grad)
+        else:
+            dst.copy_(grad)
+            delivered.add(slot)
+        p.grad = None
+        if len(delivered) == len(u.params):
+            self._launch(u)
+            self.coord.grads_done(u)
+
+    # ---- launching -------------------------------------------------------------------------
+    def _launch(self, u: FetchUnit) -> None:
+        buf = self._bufs.pop(u.index)
+        delivered = self._delivered.pop(u.index)
+        if len(delivered) < len(u.params):
+            for slot, p in enumerate(u.params):
+                if slot not in delivered:
+                    buf.narrow(0, u.offsets[slot], pp.meta_of(p).numel).zero_()
+        if u.padded_numel > u.numel:
+            buf.narrow(0, u.numel, u.padded_numel - u.numel).zero_()  # padding reduces to 0
+        self.launches += 1
+        fresh = self._fresh[u.index]
+        self._fresh[u.index] = False
+        acc = u.grad_part
+        if self.comm.world_size == 1:
+            acc.copy_(buf) if fresh else acc.add_(buf)
+            self._grad_pool.release(buf)
+            return
+        if fresh:
+            handle = self.comm.reduce_scatter(acc, buf, "sum", async_op=True)
+
+            def done(buf=buf):
+                self._grad_pool.release(buf)
+        else:
+            out = self._out_pool.take(acc.numel(), self._finish_oldest)
+            handle = self.comm.reduce_scatter(out, buf, "sum", async_op=True)
+
+            def done(buf=buf, out=out, acc=acc):
+                acc.add_(out)
+                self._out_pool.release(out)
+                self._grad_pool.release(buf)
+        if not self.overlap:
+            handle.wait()
+            done()
+            return
+        self._inflight.append((handle, done))
+        while len(self._inflight) > self.max_inflight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> bool:
+        if not self._inflight:
+            return False
+        handle, done = self._inflight.popleft()
+        handle.wait()
+        done()
+        return True
+
+    # ---- end of backward / step ------------------------------------------------------------
+    def flush(self) -> None:
+        """End of a backward: launch every unit still holding gradients (unit order), then
+        release what the coordinator no longer needs."""
+        for idx in sorted(self._bufs):
+            self._launch(self.units_by_index(idx))
+        self.coord.end_backward()
+
+    def units_by_index(self, idx: int) -> FetchUnit:
+        return self.coord.units[idx]
+
+    def wait_all(self) -> None:
+        while self._finish_oldest():
+            pass
+
+    def mark_fresh(self) -> None:
+        for k in self._fresh:
+            self._fresh[k] = True
+
+    @property
+    def communication_buffers(self) -> int:
+        return self._grad_pool.allocated + self._out_pool.allocated

@@ -1,0 +1,361 @@
+"""``zero_core.Init`` (build a model already partitioned) and ``zero_core.GatheredParameters``
+(gather full parameters for reading or modification).
+
+Init
+----
+``with zero_core.Init(config=cfg): model = Model()`` partitions every parameter as soon as
+the module that creates it has finished its ``__init__``: each rank keeps its 1/N slice of
+the parameter's values (padded to world_size × alignment) and the parameter's ``.data``
+becomes an empty tensor. Peak memory while building is therefore about 1/N of the model
+plus the module being built. Inside the context, ``__init__`` of every ``nn.Module`` class
+is wrapped (classes defined inside the context too); outside, nothing is patched.
+
+Code that touches already-partitioned parameters during construction — typically a
+parent's ``self.apply(init_weights)`` calling ``nn.init.normal_`` on its children's
+weights — runs on the full values: the parameter is gathered, the function runs on every
+rank (the same RNG draws as without Init, since every rank runs the same code with the
+same seed), and each rank keeps its slice of the result. One all-gather per such call.
+
+When the context exits, one all-reduce compares checksums of every parameter it
+partitioned across ranks, and a difference (a missing ``torch.manual_seed``) is an error
+naming the parameter, as ``initialize`` does for models built without Init.
+
+At stages 0-2 (or ``enabled=False``) Init does nothing.
+
+GatheredParameters
+------------------
+``with zero_core.GatheredParameters(params, modifier_rank=None):`` gathers full values of
+the partitioned parameters among *params* on every rank. With ``modifier_rank=r``, on
+exit rank r's values (which the block may have modified) are broadcast and every rank
+keeps its slice (the fp32 master copy is updated too). With ``modifier_rank=None`` the
+values are only read; if the block runs between a training forward (autograd on) and its
+``engine.backward``, and a parameter requires grad, the parameters stay gathered until
+that backward ends, so a loss term computed from them (a parameter used outside any
+module's forward) gets its gradient. A no-op for parameters
+that are not partitioned (stages 0-2).
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from ..config import Config, parse_config
+from ..errors import ConfigError, ZeroCoreError
+from ..launch import discover
+from ..partition import alignment_for, round_up
+from . import partitioned_params as pp
+
+_LOCK = threading.RLock()
+_ACTIVE: list["Init"] = []          # nested Init contexts; the innermost partitions
+_WRAPPED: dict[type, object] = {}   # class -> its original __init__
+_SUBCLASS_HOOK_INSTALLED = [False]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-parameter partitions (before an engine owns the parameter).
+# ---------------------------------------------------------------------------------------------
+
+def partition_own(p: torch.nn.Parameter, name: str, rank: int, world_size: int) -> pp.ParamMeta:
+    """Keep only this rank's slice of *p*'s values (padded to world_size × alignment);
+    *p* becomes a released PartitionedParameter."""
+    values = p.data.detach().reshape(-1)
+    meta = pp.mark_partitioned(p, name)
+    padded = round_up(meta.numel, world_size * alignment_for(values.element_size()))
+    shard = padded // world_size
+    part = torch.zeros(shard, dtype=values.dtype, device=values.device)
+    lo = rank * shard
+    hi = min(lo + shard, meta.numel)
+    if lo < hi:
+        part[:hi - lo].copy_(values[lo:hi])
+    meta.own_part, meta.own_padded = part, padded
+    pp.release(p)
+    return meta
+
+
+def gather_own(p, comm) -> torch.Tensor:
+    """The padded flat full values of a parameter partitioned by :func:`partition_own`
+    (collective: every rank calls it for the same parameter)."""
+    meta = pp.meta_of(p)
+    full = torch.empty(meta.own_padded, dtype=meta.own_part.dtype, device=meta.own_part.device)
+    if comm.world_size == 1:
+        full.copy_(meta.own_part)
+    else:
+        comm.all_gather_into(full, meta.own_part)
+    return full
+
+
+def _write_back_own(p, full: torch.Tensor, rank: int) -> None:
+    meta = pp.meta_of(p)
+    shard = meta.own_part.numel()
+    meta.own_part.copy_(full.narrow(0, rank * shard, shard))
+
+
+def _checksum(x: torch.Tensor) -> torch.Tensor:
+    x = x.reshape(-1).to(torch.float64)
+    w = torch.arange(x.numel(), dtype=torch.float64, device=x.device).remainder_(97).add_(1)
+    return torch.stack([x.sum(), x.dot(x), x.dot(w)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Init
+# ---------------------------------------------------------------------------------------------
+
+def _subclasses(cls):
+    seen, stack = [], [cls]
+    while stack:
+        c = stack.pop()
+        seen.append(c)
+        stack.extend(s for s in c.__subclasses__() if s not in seen)
+    return seen
+
+
+def _wrap_class(cls) -> None:
+    orig = cls.__dict__.get("__init__")
+    if orig is None or cls in _WRAPPED:
+        return
+
+    @functools.wraps(orig)
+    def init(self, *args, **kwargs):
+        ctx = _ACTIVE[-1] if _ACTIVE else None
+        if ctx is None:
+            return orig(self, *args, **kwargs)
+        depth = self.__dict__.get("_zero_core_init_depth", 0)
+        self.__dict__["_zero_core_init_depth"] = depth + 1
+        try:
+            orig(self, *args, **kwargs)
+        finally:
+            self.__dict__["_zero_core_init_depth"] = depth
+        if depth == 0:
+            del self.__dict__["_zero_core_init_depth"]
+            ctx.partition_module(self)
+
+    _WRAPPED[cls] = orig
+    cls.__init__ = init
+
+
+def _on_subclass(cls, **kwargs):
+    super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+    if _ACTIVE:
+        _wrap_class(cls)
+
+
+def _install() -> None:
+    for cls in _subclasses(torch.nn.Module):
+        _wrap_class(cls)
+    if "__init_subclass__" not in torch.nn.Module.__dict__:
+        torch.nn.Module.__init_subclass__ = classmethod(_on_subclass)
+        _SUBCLASS_HOOK_INSTALLED[0] = True
+    pp.materialize_hook = _materialize
+
+
+def _uninstall() -> None:
+    for cls, orig in _WRAPPED.items():
+        cls.__init__ = orig
+    _WRAPPED.clear()
+    if _SUBCLASS_HOOK_INSTALLED[0]:
+        del torch.nn.Module.__init_subclass__
+        _SUBCLASS_HOOK_INSTALLED[0] = False
+    pp.materialize_hook = None
+
+
+def _materialize(func, args, kwargs, released):
+    """Init is building: run *func* on the full values of the released parameters."""
+    ctx = _ACTIVE[-1]
+    for p in released:
+        if pp.meta_of(p).own_part is None:
+            raise pp.not_gathered_error(p, func)
+    fulls = []
+    for p in released:
+        full = gather_own(p, ctx.comm)
+        fulls.append(full)
+        pp.attach(p, full.narrow(0, 0, pp.meta_of(p).numel))
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    finally:
+        for p, full in zip(released, fulls):
+            _write_back_own(p, full, ctx.comm.rank)
+            pp.release(p)
+
+
+class Init:
+    """Context manager that builds models already partitioned for ZeRO stage 3 (see the
+    module docstring). *config*: the training config (dict, JSON path or Config; also
+    accepted as *config_dict_or_path*); with ``enabled=False`` or a stage below 3 it does
+    nothing. *module*: partition an already-built module right away instead."""
+
+    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group=None,
+                 mem_efficient_linear: bool = True, remote_device=None, pin_memory: bool = False,
+                 config_dict_or_path=None, config=None, enabled: bool = True, dtype=None,
+                 mpu=None):
+        if data_parallel_group is not None or mpu is not None:
+            raise ConfigError("zero_core.Init: data_parallel_group/mpu are not supported (zero-core "
+                              "partitions over all ranks); pass None")
+        if remote_device not in (None, "none"):
+            raise ConfigError(f"zero_core.Init(remote_device={remote_device!r}): parameter offload "
+                              f"is not implemented yet; pass remote_device=None")
+        if dtype is not None:
+            raise ConfigError("zero_core.Init(dtype=...): parameters are partitioned in the dtype "
+                              "they are created in and cast by the engine; pass dtype=None")
+        cfg = config if config is not None else config_dict_or_path
+        if cfg is not None and not isinstance(cfg, Config):
+            cfg = parse_config(cfg, discover().world_size)
+        stage = cfg.zero_optimization.stage if cfg is not None else 3
+        self.enabled = bool(enabled) and stage == 3
+        self.config = cfg
+        self.comm = None
+        self._checks: list[tuple[str, torch.Tensor]] = []
+        if module is not None and self.enabled:
+            with self:
+                self.partition_module(module)
+
+    def _runtime(self):
+        from ..runtime import init_distributed
+        cfg = self.config
+        if cfg is None:
+            return init_distributed()
+        return init_distributed(cfg.accelerator, cfg.comm_backend, cfg.comm_timeout,
+                                cfg.topology.ranks_per_node)
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        self.comm = self._runtime().comm
+        with _LOCK:
+            if not _ACTIVE:
+                _install()
+            _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.enabled:
+            return False
+        with _LOCK:
+            _ACTIVE.remove(self)
+            if not _ACTIVE:
+                _uninstall()
+        if exc_type is None:
+            self._verify()
+        return False
+
+    def partition_module(self, module: torch.nn.Module) -> None:
+        """Partition every parameter of *module* (recursively) not partitioned yet."""
+        comm = self.comm
+        for name, p in module.named_parameters():
+            if pp.is_partitioned(p):
+                continue
+            self._checks.append((name, _checksum(p.data)))
+            partition_own(p, name, comm.rank, comm.world_size)
+
+    def _verify(self) -> None:
+        """Every rank must have built the same values (one all-reduce)."""
+        if not self._checks or self.comm.world_size == 1:
+            return
+        sums = torch.stack([c for _, c in self._checks])
+        both = torch.cat([sums, -sums]).contiguous()
+        self.comm.all_reduce(both, "max")
+        n = len(self._checks)
+        differs = (both[:n] != -both[n:]).any(dim=1)
+        names = [name for name, _ in self._checks]
+        self._checks = []
+        if bool(differs.any()):
+            first = int(differs.nonzero()[0, 0])
+            raise ZeroCoreError(
+                f"zero_core.Init: parameter '{names[first]}' was built with different values on different ranks ({int(differs.sum())} "
+                f"parameters differ). Every rank must build the same model: call "
+                f"torch.manual_seed(<same seed>) before constructing it.")
+
+
+# ---------------------------------------------------------------------------------------------
+# GatheredParameters
+# ---------------------------------------------------------------------------------------------
+
+def _adopt_assigned_data(params, full: torch.Tensor, offsets) -> None:
+    """If the block replaced ``p.data`` (instead of modifying it in place), copy the new
+    values into the gathered buffer and point the parameter back at it."""
+    elem = full.element_size()
+    for p, off in zip(params, offsets):
+        meta = pp.meta_of(p)
+        if p.data.data_ptr() != full.data_ptr() + off * elem or p.data.numel() != meta.numel:
+            view = full.narrow(0, off, meta.numel)
+            view.copy_(p.data.reshape(-1).to(full.dtype))
+            pp.attach(p, view)
+
+
+class GatheredParameters:
+    """Gather the full values of *params* (one parameter or an iterable) for the block;
+    see the module docstring. *fwd_module* is accepted for DeepSpeed compatibility
+    (register_external_parameter is zero-core's way to declare external use)."""
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None,
+                 enabled: bool = True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        params = [] if params is None else list(params)
+        self.params = [p for p in params if pp.is_partitioned(p)] if enabled else []
+        self.modifier_rank = modifier_rank
+        self._units: list = []
+        self._own: list = []
+
+    def __enter__(self):
+        if not self.params:
+            return self
+        units = []
+        for p in self.params:
+            meta = pp.meta_of(p)
+            if meta.unit is not None:
+                if all(meta.unit is not u for u in units):
+                    units.append(meta.unit)
+            elif all(p is not q for q in self._own):
+                self._own.append(p)
+        units.sort(key=lambda u: u.index)
+        self._units = units
+        if units:
+            units[0].owner.pin(units)
+        if self._own:
+            comm = self._comm()
+            self._fulls = []
+            for p in self._own:
+                full = gather_own(p, comm)
+                self._fulls.append(full)
+                pp.attach(p, full.narrow(0, 0, pp.meta_of(p).numel))
+        return self
+
+    def _comm(self):
+        from ..runtime import get_runtime
+        return get_runtime().comm
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.params:
+            return False
+        comm = self._comm()
+        modify = self.modifier_rank is not None
+        if modify and not 0 <= self.modifier_rank < comm.world_size:
+            raise ConfigError(f"GatheredParameters(modifier_rank={self.modifier_rank}): use a rank "
+                              f"in 0..{comm.world_size - 1}, or None to only read")
+        if self._units:
+            coord = self._units[0].owner
+            if modify:
+                with torch.no_grad():
+                    for u in self._units:
+                        _adopt_assigned_data(u.params, u.full, u.offsets)
+                        if comm.world_size > 1:
+                            comm.broadcast(u.full, src=self.modifier_rank)
+                        coord.gatherer.write_back(u)
+            # read between a training forward and its backward: the values may be in the
+            # loss, so keep them until backward has used them
+            keep = (not modify and torch.is_grad_enabled() and coord.awaiting_backward
+                    and any(p.requires_grad for p in self.params))
+            coord.unpin(self._units, keep_for_backward=keep)
+        if self._own:
+            with torch.no_grad():
+                for p, full in zip(self._own, self._fulls):
+                    _adopt_assigned_data([p], full, [0])
+                    if modify and comm.world_size > 1:
+                        comm.broadcast(full, src=self.modifier_rank)
+                    _write_back_own(p, full, comm.rank)
+                    pp.release(p)
+            self._fulls = []
+        return False

@@ -1,0 +1,204 @@
+"""Parameters that live only as their partition (ZeRO stage 3).
+
+A partitioned parameter stays the same ``nn.Parameter`` object the model (and the user's
+optimizer groups) refer to; only its class becomes :class:`PartitionedParameter` and its
+``.data`` is swapped between an empty tensor (*released*) and a view of a gathered flat
+buffer (*available*). The class exists for one reason: a torch function that receives a
+released parameter must not compute with an empty tensor, so ``__torch_function__``
+either
+
+* raises :class:`ParameterNotGatheredError` naming the parameter, the module whose forward
+  was running and the fix, or
+* while :class:`~zero_core.stage3.init_context.Init` is building the model, gathers the
+  parameter, runs the function on the full values and keeps this rank's slice of the
+  (possibly modified) result — so that ``nn.init.*`` and ``model.apply(init_fn)`` inside a
+  model's ``__init__`` work exactly as without partitioning, RNG draws included.
+
+Shape queries (``p.shape``, ``p.size()``, ``p.numel()``, ``p.dim()``) of a released
+parameter answer with the full shape; ``p.data`` is the empty placeholder.
+
+While a parameter is available, functions pass straight through (one ``isinstance`` per
+argument, no copy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..errors import ZeroCoreError
+
+
+class ParameterNotGatheredError(ZeroCoreError):
+    """A partitioned parameter was read while only its partition exists on this rank."""
+
+
+@dataclass(eq=False)
+class ParamMeta:
+    """Bookkeeping of one partitioned parameter.
+
+    ``unit``: the fetch unit that holds it once an engine owns it (None before).
+    ``offset``: where it starts in the unit's gathered flat buffer (elements).
+    ``own_part``: before an engine owns it (built under Init), this rank's slice of the
+    parameter's own padded flat values; ``own_padded``: that padded length.
+    """
+
+    name: str
+    shape: torch.Size
+    numel: int
+    dtype: torch.dtype
+    available: bool = False
+    unit: Any = None
+    offset: int = 0
+    own_part: torch.Tensor | None = None
+    own_padded: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+# Functions that only look at metadata or attach hooks: fine on a released parameter.
+_METADATA_METHODS = frozenset({
+    "register_hook", "register_post_accumulate_grad_hook", "requires_grad_", "data_ptr",
+    "untyped_storage", "is_floating_point", "is_complex", "element_size", "__hash__",
+    "_is_view", "is_contiguous", "get_device", "__repr__", "__format__",
+})
+
+
+def _shape_answers():
+    T = torch.Tensor
+
+    def size(meta, args):
+        return meta.shape if len(args) < 2 else meta.shape[args[1]]
+    return {
+        T.shape.__get__: lambda meta, args: meta.shape,
+        T.ndim.__get__: lambda meta, args: len(meta.shape),
+        T.size: size,
+        T.numel: lambda meta, args: meta.numel,
+        T.nelement: lambda meta, args: meta.numel,
+        T.dim: lambda meta, args: len(meta.shape),
+        T.ndimension: lambda meta, args: len(meta.shape),
+    }
+
+
+_SHAPE_ANSWERS = _shape_answers()
+
+#: set by init_context while Init is constructing a model: (func, args, kwargs, released
+#: params) -> result; None otherwise
+materialize_hook: Callable | None = None
+#: set by the stage-3 engine: () -> name of the module whose forward is running, or None
+running_module_hook: Callable[[], str | None] | None = None
+
+
+def _released_in(args, kwargs) -> list:
+    found = []
+
+    def visit(x):
+        if isinstance(x, PartitionedParameter):
+            meta = x.__dict__.get("_zc")
+            if meta is not None and not meta.available and all(x is not f for f in found):
+                found.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                if isinstance(y, (PartitionedParameter, list, tuple)):
+                    visit(y)
+
+    for a in args:
+        visit(a)
+    if kwargs:
+        for a in kwargs.values():
+            visit(a)
+    return found
+
+
+class PartitionedParameter(torch.nn.Parameter):
+    """An ``nn.Parameter`` whose values may live only as this rank's partition; see the
+    module docstring. Never constructed directly: :func:`mark_partitioned` converts."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        released = _released_in(args, kwargs)
+        if released:
+            answer = _SHAPE_ANSWERS.get(func)
+            if answer is not None and args and args[0] is released[0]:
+                return answer(released[0]._zc, args)
+            name = getattr(func, "__name__", "")
+            if name not in ("__get__", "__set__", "__delete__") and name not in _METADATA_METHODS:
+                if materialize_hook is not None:
+                    return materialize_hook(func, args, kwargs, released)
+                raise not_gathered_error(released[0], func)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def function_name(func) -> str:
+    """A readable name for a torch function or Tensor method (for error messages)."""
+    name = getattr(func, "__name__", None) or repr(func)
+    qual = getattr(func, "__qualname__", None) or name
+    mod = getattr(func, "__module__", None) or ""
+    if qual.startswith(("TensorBase.", "Tensor.")) or (not mod and "." not in qual):
+        return f"torch.Tensor.{name}"
+    if mod.startswith("torch._C._nn"):
+        return f"torch.nn.functional.{name}"
+    if mod.startswith("torch._C") or mod == "torch":
+        return f"torch.{name}"
+    return f"{mod}.{qual}"
+
+
+def not_gathered_error(p: "PartitionedParameter", func) -> ParameterNotGatheredError:
+    """The error for reading released parameter *p* through *func*."""
+    meta: ParamMeta = p._zc
+    running = running_module_hook() if running_module_hook is not None else None
+    where = (f"inside the forward of module '{running}'" if running is not None
+             else "outside any module's forward")
+    module_hint = (f"<module '{running}'>" if running is not None
+                   else "<the module that reads it>")
+    return ParameterNotGatheredError(
+        f"parameter '{meta.name}' (shape {tuple(meta.shape)}) is partitioned by ZeRO stage 3 "
+        f"and was read by {function_name(func)} {where} while not gathered: this rank holds "
+        f"only 1/N of its values. Stage 3 gathers a module's own parameters around that "
+        f"module's forward and backward. To read it elsewhere, either register it with the "
+        f"module that reads it — zero_core.register_external_parameter({module_hint}, "
+        f"<parameter '{meta.name}'>) — so it is gathered for that module's forward and backward, or "
+        f"wrap the access in `with zero_core.GatheredParameters([param]):`.")
+
+
+def is_partitioned(p) -> bool:
+    """True for a parameter converted by :func:`mark_partitioned`."""
+    return isinstance(p, PartitionedParameter) and "_zc" in p.__dict__
+
+
+def meta_of(p) -> ParamMeta:
+    return p.__dict__["_zc"]
+
+
+def empty_like_meta(meta: ParamMeta, device) -> torch.Tensor:
+    return torch.empty(0, dtype=meta.dtype, device=device)
+
+
+def mark_partitioned(p: torch.nn.Parameter, name: str) -> ParamMeta:
+    """Turn *p* into a :class:`PartitionedParameter` (in place, same object) and return
+    its metadata; the caller then releases or attaches its data."""
+    if is_partitioned(p):
+        return meta_of(p)
+    meta = ParamMeta(name=name, shape=torch.Size(p.data.shape), numel=p.data.numel(),
+                     dtype=p.data.dtype)
+    p.__dict__["_zc"] = meta
+    p.__class__ = PartitionedParameter
+    meta.available = True
+    return meta
+
+
+def attach(p, values: torch.Tensor) -> None:
+    """Make *p* available with *values* (a view of a gathered buffer, full shape)."""
+    meta = meta_of(p)
+    p.data = values.view(meta.shape)
+    meta.available = True
+
+
+def release(p) -> None:
+    """Drop *p*'s full values (its partition is kept elsewhere)."""
+    meta = meta_of(p)
+    if meta.available:
+        p.data = torch.empty(0, dtype=p.data.dtype, device=p.data.device)
+        meta.available = False
