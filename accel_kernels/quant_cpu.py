@@ -154,15 +154,18 @@ def _quantize_chunks(read, numel: int, bits: int, block_size: int, payload: torc
 
 
 class _RowReader:
-    """Copies rows of a flat float tensor into float32 scratch (padding the tail)."""
+    """Rows of a flat float tensor as float32: a view of fp32 input (no copy), else a
+    converted copy in scratch; the partial last block is copied and zero padded."""
 
     def __init__(self, flat: torch.Tensor, block_size: int):
         self.flat, self.bs = flat, block_size
 
     def __call__(self, b0: int, b1: int, full: bool) -> torch.Tensor:
         bs = self.bs
-        buf = _scratch(0, (b1 - b0) * bs)
         src = self.flat[b0 * bs: b1 * bs]
+        if full and src.dtype == torch.float32:
+            return src.view(b1 - b0, bs)
+        buf = _scratch(0, (b1 - b0) * bs)
         if not full:
             buf.zero_()
         buf[:src.numel()].copy_(src)
@@ -177,7 +180,7 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, *, out=None):
     """
     check_input(x, bits, block_size)
     _require_cpu(x)
-    flat = x.reshape(-1)
+    flat = x.reshape(-1).contiguous()  # a strided 1-D input stays strided otherwise
     out = check_quant_out(out, flat.numel(), bits, block_size, x.device)
     payload, scales = out if out is not None else new_quant_out(flat.numel(), bits,
                                                                block_size, x.device)

@@ -51,7 +51,7 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, *, out=None):
     """
     check_input(x, bits, block_size)
     k = kernels()
-    flat = x.reshape(-1)
+    flat = x.reshape(-1).contiguous()  # a strided 1-D input stays strided otherwise
     numel = flat.numel()
     out = check_quant_out(out, numel, bits, block_size, x.device)
     payload, scales = out if out is not None else new_quant_out(numel, bits, block_size,

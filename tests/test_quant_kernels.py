@@ -135,6 +135,17 @@ def test_matches_reference_bitwise(impl, bits):
                      quant_reference.dequantize(*want, bits, block_size, n), f"values n={n}")
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_strided_and_2d_inputs_are_read_as_flat(impl, bits):
+    gen = torch.Generator().manual_seed(12)
+    base = fresh(2 * 96, gen)
+    for x in (base[::2], base.view(12, 16).t()):
+        want = quant_reference.quantize(x.contiguous().view(-1), bits, 32)
+        got = impl.quantize(x, bits, 32)
+        assert_same(got[0], want[0], "payload of a non-contiguous input")
+        assert_same(got[1], want[1], "scales of a non-contiguous input")
+
+
 def test_int4_layout_is_the_documented_one(impl):
     """Values that are exact multiples of the scale must pack to known bytes."""
     gen = torch.Generator().manual_seed(5)
