@@ -123,6 +123,16 @@ def run_suite(group, case0: int) -> int:
 
 # the world, then two subgroups whose group ranks differ from the global ranks
 case = run_suite(comm.world, 0)
+ledger_world_default_routes = comm.ledger.snapshot()
+# the other route of each backend, on the world again
+if BACKEND == "mpi":
+    comm.all_reduce_composite_bytes = 0        # every all_reduce as all-to-all + all-gather
+    case = run_suite(comm.world, 30_000)
+    del comm.all_reduce_composite_bytes
+elif BACKEND == "gloo":
+    comm.all_gather_via_p2p = comm.reduce_scatter_via_all_to_all = False  # torch's own calls
+    case = run_suite(comm.world, 30_000)
+    del comm.all_gather_via_p2p, comm.reduce_scatter_via_all_to_all
 if world >= 2:
     odd_even = comm.split([[r for r in range(world) if r % 2 == p] for p in (0, 1)], "parity")
     case = run_suite(odd_even, 10_000)
@@ -149,5 +159,6 @@ for h in reversed(handles):
 for i, (got, want, summed) in enumerate(expected):
     check(f"async op {i}", got, want, summed, "sum" if summed else "")
 
-report({"rank": rank, "checks": checks, "failures": failures, "ledger": comm.ledger.snapshot()})
+report({"rank": rank, "checks": checks, "failures": failures,
+        "ledger_world_default_routes": ledger_world_default_routes})
 comm.shutdown()
