@@ -13,11 +13,13 @@ fp32 elements, quiet machine; see ci/bench_kernels.py for the repeatable run):
   formulation can beat it, only move fewer bytes. Splitting it into cache-sized chunks
   changed nothing measurable (12.0-12.8 ms for 256K..4M-element chunks), so it is called
   once on the whole buffer.
-* With *param_lowp*, calling the fused op chunk by chunk and rounding each chunk into
-  the low-precision copy while it is still in cache saves re-reading the fp32 parameter
-  from memory: 15.5 ms per step with 1M-element chunks vs 16.7 ms for a fused step
-  followed by one full-buffer copy. 1M elements x 4 fp32 buffers = 16 MB, which stays in
-  the 32 MB L3; smaller chunks lose to per-call overhead (19.5 ms at 128K).
+* With *param_lowp*, the fused step is followed by one rounding copy of the whole
+  buffer. Doing both chunk by chunk (1M elements, so the fresh fp32 chunk is rounded
+  while still in the L3 cache) saved 7% on a quiet machine (15.5 vs 16.7 ms) but was
+  ~3x slower whenever the cores were shared with other processes (272-372 vs 94-108 ms at
+  load ~11): every torch op is a parallel region that waits for all of its threads, and
+  100 small regions wait 50x as often as 2 large ones. A host running several ranks and
+  loader workers is the common case for an offloaded optimizer, so robustness won.
 * The pure-torch reference takes ~330 ms (many passes, temporaries), torch.optim.AdamW
   with foreach ~140 ms.
 
@@ -33,9 +35,6 @@ import math
 import torch
 
 from .optim_checks import check_adam_args, check_sgd_args
-
-#: elements per chunk when a low-precision copy is written in the same pass (see above)
-LOWP_CHUNK_ELEMENTS = 1 << 20
 
 
 def _require_cpu(param: torch.Tensor) -> None:
@@ -54,7 +53,7 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     Same contract as :func:`zero_core.accel_kernels.optim_reference.adam_step`: flat
     contiguous fp32 CPU tensors of one size, *grad* only read, *step* the 1-based count
     after this update, *lr* in parameter units per step, optional bf16/fp16 *param_lowp*
-    written rounded (nearest even) in the same pass.
+    written rounded (nearest even) right after the step.
     """
     check_adam_args(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2,
                     eps=eps, weight_decay=weight_decay, step=step, param_lowp=param_lowp)
@@ -67,15 +66,9 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     kwargs = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2),
                   weight_decay=float(weight_decay), eps=float(eps), amsgrad=False,
                   maximize=False)
-    if param_lowp is None:
-        fused([param], [grad], [exp_avg], [exp_avg_sq], [], [step_t], **kwargs)
-        return
-    for p, g, m, v, lp in zip(param.split(LOWP_CHUNK_ELEMENTS), grad.split(LOWP_CHUNK_ELEMENTS),
-                              exp_avg.split(LOWP_CHUNK_ELEMENTS),
-                              exp_avg_sq.split(LOWP_CHUNK_ELEMENTS),
-                              param_lowp.split(LOWP_CHUNK_ELEMENTS)):
-        fused([p], [g], [m], [v], [], [step_t], **kwargs)
-        lp.copy_(p)  # the chunk is still in cache: no second trip to memory for p
+    fused([param], [grad], [exp_avg], [exp_avg_sq], [], [step_t], **kwargs)
+    if param_lowp is not None:
+        param_lowp.copy_(param)
 
 
 def sgd_step(param: torch.Tensor, grad: torch.Tensor,
@@ -96,11 +89,6 @@ def sgd_step(param: torch.Tensor, grad: torch.Tensor,
     kwargs = dict(weight_decay=float(weight_decay), momentum=float(momentum), lr=float(lr),
                   dampening=float(dampening), nesterov=bool(nesterov), maximize=False,
                   is_first_step=bool(first_step))
-    n_chunks = 1 if param_lowp is None else -(-param.numel() // LOWP_CHUNK_ELEMENTS)
-    size = param.numel() if param_lowp is None else LOWP_CHUNK_ELEMENTS
-    bufs = [None] * n_chunks if momentum == 0 else list(momentum_buffer.split(size))
-    lps = [None] * n_chunks if param_lowp is None else list(param_lowp.split(size))
-    for p, g, b, lp in zip(param.split(size), grad.split(size), bufs, lps):
-        torch._fused_sgd_([p], [g], [] if b is None else [b], **kwargs)
-        if lp is not None:
-            lp.copy_(p)
+    torch._fused_sgd_([param], [grad], [] if momentum == 0 else [momentum_buffer], **kwargs)
+    if param_lowp is not None:
+        param_lowp.copy_(param)

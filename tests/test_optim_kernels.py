@@ -156,7 +156,7 @@ def test_adam_trajectory_50_steps(kernel, adamw):
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n", [7, 4099, (1 << 20) + 3])  # the last spans several chunks
+@pytest.mark.parametrize("n", [7, 4099, (1 << 20) + 3])
 def test_adam_param_lowp_is_rounded_fp32_result(kernel, dtype, n):
     gen = torch.Generator().manual_seed(n)
     p, m, v = randn(n, gen), torch.zeros(n), torch.zeros(n)
