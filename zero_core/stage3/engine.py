@@ -178,6 +178,19 @@ class Stage3Engine(ZeroEngine):
             self.comm.barrier()
         return True
 
+    # ---- checkpoints (save_checkpoint/load_checkpoint are ZeroEngine's) -------------------------
+    def _checkpoint_fragments(self, purpose):
+        from ..engine_checkpoint import stage3_fragments
+        return stage3_fragments(self, purpose)
+
+    def _checkpoint_restored(self):
+        from ..engine_checkpoint import stage3_restored
+        stage3_restored(self)
+
+    def _checkpoint_layout(self):
+        from ..engine_checkpoint import stage3_layout
+        return stage3_layout(self)
+
     # ---- reports -------------------------------------------------------------------------------
     def memory_report(self) -> dict:
         """Stage 0-2's report plus ``stage3``: bytes of persistent parameters (full copies
