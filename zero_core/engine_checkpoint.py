@@ -189,6 +189,51 @@ def zero_layout(engine) -> list:
         for gb in engine._buffers]
 
 
+def stage3_fragments(engine, purpose: str) -> list[Fragment]:
+    """``_checkpoint_fragments`` of the stage-3 engine (stage3/engine.py): this rank's
+    partition of every fetch unit, for saving and loading alike — trained groups with
+    master and optimizer states, the frozen units' partition with ``"param"``."""
+    _refuse_unsupported_optimizer(engine)
+    names = parameter_names(engine.module)
+    rank = engine.global_rank
+    out = []
+    for j, gb in enumerate(engine._buffers):
+        if gb is None:
+            continue
+        sources = {MASTER: gb.master if gb.master is not None else gb.param_buf}
+        sources.update(engine.optimizer.flat_state[j])
+        out += layout_fragments(gb.layout, gb.params, names, sources, rank, [rank])
+    frozen = getattr(engine, "_frozen_buffers", None)
+    if frozen is not None:
+        out += layout_fragments(frozen.layout, frozen.params, names, {PARAM: frozen.param_buf},
+                                rank, [rank])
+    return out
+
+
+@torch.no_grad()
+def stage3_restored(engine) -> None:
+    """``_checkpoint_restored`` of the stage-3 engine: the low-precision partitions from the
+    fp32 master, and every gathered (or persistent) unit released, so that the next
+    forward gathers the loaded values."""
+    for gb in engine._buffers:
+        if gb is not None and gb.master is not None:
+            gb.param_buf.data.copy_(gb.master.data)
+    engine.coordinator.release_all()
+    engine.zero_grad()
+
+
+def stage3_layout(engine) -> list:
+    """``_checkpoint_layout`` of the stage-3 engine: per group (frozen units last), its
+    fetch units' parameters and padded sizes."""
+    names = parameter_names(engine.module)
+    groups = list(engine._buffers) + [getattr(engine, "_frozen_buffers", None)]
+    return [None if gb is None else {
+        "params": [names[id(p)] for p in gb.params], "numels": list(gb.layout.numels),
+        "bucket_sizes": list(gb.layout.bucket_sizes), "alignment": gb.layout.alignment,
+        "world_size": gb.layout.world_size, "fetch_units": True}
+        for gb in groups]
+
+
 def _refuse_unsupported_optimizer(engine) -> None:
     rule = getattr(engine, "_rule", None)
     if rule is not None and rule.kind == "torch":
@@ -317,7 +362,12 @@ def _few(names: list, n: int = 5) -> str:
 def save_checkpoint(engine, save_dir: str, tag=None, client_state=None,
                     save_latest: bool = True) -> str:
     """Collective: save *engine* as checkpoint *tag* (default ``global_step<N>``) in
-    *save_dir*; returns the checkpoint's directory. See the module docstring."""
+    *save_dir*; returns the checkpoint's directory. See the module docstring.
+
+    *client_state* (plain data: dict, list, str, numbers, tensors) is rank 0's, as in
+    DeepSpeed; :func:`load_checkpoint` returns it on every rank. Per-rank streams belong
+    in the RNGs, which are saved per rank.
+    """
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     rank = engine.global_rank
     fragments = engine._checkpoint_fragments("save")
