@@ -1,12 +1,14 @@
 """Block-wise int8/int4 quantization for Habana Gaudi (HPU), in plain torch ops.
 
-NOT RUN ON GAUDI HARDWARE: this project has no HPU. The module uses only torch ops that
-Habana's PyTorch bridge documents as supported on HPU (elementwise arithmetic,
-``amax``, ``where``, ``round``, integer casts and bit operations, ``pad``), and it
-is tested on the CPU against :mod:`.quant_reference` (bit-identical results).
-Habana publishes no block-wise int8/int4 quantization op (its quantization toolkit is
-FP8-centred), so there is no vendor kernel to wrap; ``habana_frameworks`` is not needed
-here, the bridge runs these ops on the card.
+NOT RUN ON GAUDI HARDWARE: this project has no HPU. The module uses only ordinary torch
+ops (elementwise float arithmetic, ``amax``, ``isfinite``, ``where``, ``round``, dtype
+casts, ``&`` and ``>>`` on uint8, ``pad``, ``stack``), which Habana's PyTorch bridge runs
+as graph ops; whether each has an HPU kernel for every dtype used here (the uint8 bit
+operations in particular) has not been checked against Habana's operator list
+(docs.habana.ai, "PyTorch Operators") or on a card. It is tested on the CPU against
+:mod:`.quant_reference` (bit-identical results). We know of no documented Habana op that
+produces this block format, so no vendor op is wrapped and ``habana_frameworks`` is not
+imported here.
 
 What is shaped for Gaudi's graph compiler rather than copied from the reference:
 
