@@ -71,7 +71,8 @@ def _pack_int4(q: torch.Tensor, payload: torch.Tensor) -> None:
     both = lanes.view(torch.int16)  # bits 0-7: element 2i, bits 8-15: element 2i+1
     packed = _scratch(5, half, torch.int16)
     torch.bitwise_right_shift(both, 4, out=packed).bitwise_and_(0xF0)  # 2i+1 -> bits 4-7
-    packed.bitwise_or_(both.bitwise_and(0x0F))
+    low = _scratch(6, half, torch.int16)
+    packed.bitwise_or_(torch.bitwise_and(both, 0x0F, out=low))
     packed.bitwise_xor_(_BOTH_OFFSETS)  # two's-complement nibble + 8 (mod 16) = q + 8
     payload.copy_(packed)
 
