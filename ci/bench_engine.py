@@ -48,6 +48,7 @@ RANKS = 2
 # zero-core's targets from the issue, as a ratio of median step time to DDP's
 TARGETS = {"mpi": 1.05, "gloo": 1.15}
 REEXEC_MARK = "ZERO_CORE_BENCH_REEXEC"
+PHASES = ("forward", "backward", "update")  # as timed by the worker
 
 
 @dataclass
@@ -196,6 +197,11 @@ def run_contender(c: Contender, warmup: int, steps: int, timeout: float) -> dict
            "last_loss": statistics.fmean(rep["losses"][-1] for rep in reports),
            "loadavg_1min_before": load_before, "loadavg_1min_after": os.getloadavg()[0],
            "torch": reports[0]["torch"], "threads_per_rank": reports[0]["threads"]}
+    # per phase: wall time of the slowest rank, CPU time averaged over ranks
+    run["phase_wall_s"] = {ph: [max(rep["phase_wall_s"][ph][i] for rep in reports) for i in range(steps)]
+                           for ph in PHASES}
+    run["phase_cpu_s"] = {ph: [statistics.fmean(rep["phase_cpu_s"][ph][i] for rep in reports)
+                               for i in range(steps)] for ph in PHASES}
     for key in ("memory_report", "comm_report"):
         if key in reports[0]:
             run[key] = [rep[key] for rep in reports]
@@ -219,6 +225,10 @@ def summarize(c: Contender, runs: list[dict]) -> dict:
            "peak_rss_bytes": max(b for r in ok for b in r["peak_rss_bytes_per_rank"]),
            "first_loss": last["first_loss"], "last_loss": last["last_loss"],
            "loadavg_1min": [x for r in ok for x in (r["loadavg_1min_before"], r["loadavg_1min_after"])],
+           "phase_wall_median_s": {ph: statistics.median(t for r in ok for t in r["phase_wall_s"][ph])
+                                   for ph in PHASES},
+           "phase_cpu_median_s": {ph: statistics.median(t for r in ok for t in r["phase_cpu_s"][ph])
+                                  for ph in PHASES},
            "runs": ok}
     return row
 
@@ -235,6 +245,20 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(f"| {r['name']} | {r['launcher']} | {r['median_step_s']:.3f} | {ratio} | "
                      f"{r['p10_step_s']:.2f}–{r['p90_step_s']:.2f} | {r['median_cpu_step_s']:.2f} | "
                      f"{r['peak_rss_bytes'] / 2**20:,.0f} | {r['first_loss']:.3f} → {r['last_loss']:.3f} |")
+    return "\n".join(lines)
+
+
+def phase_table(rows: list[dict]) -> str:
+    """Where each contender spends a step: forward, backward (incl. gradient reduction hooks)
+    and update (optimizer, and for ZeRO the parameter all-gather), wall and CPU seconds."""
+    lines = ["| contender | forward wall / CPU (s) | backward wall / CPU (s) | update wall / CPU (s) |",
+             "|---|---:|---:|---:|"]
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        cells = [f"{r['phase_wall_median_s'][ph]:.3f} / {r['phase_cpu_median_s'][ph]:.3f}"
+                 for ph in PHASES]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -316,6 +340,9 @@ def main(argv=None) -> int:
             else summarize(c, runs[c.name]) for c in chosen]
     print()
     print(markdown_table(rows))
+    print()
+    print(phase_table(rows))
+    print()
     for verdict in target_verdicts(rows):
         print(f"- {verdict}")
     loads = [x for r in rows if r["status"] == "ok" for x in r["loadavg_1min"]]

@@ -43,19 +43,45 @@ def init_gloo(launch) -> None:
     dist.init_process_group("gloo", rank=launch.rank, world_size=launch.world_size)
 
 
+class TorchStep:
+    """A step in three timed phases for contenders driven by a torch optimizer."""
+
+    def __init__(self, module, optimizer):
+        self.module = module
+        self.optimizer = optimizer
+
+    def forward(self, x, y):
+        return lm_loss(self.module(x), y)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def update(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class EngineStep:
+    """The same phases for DeepSpeed-style engines (engine(x), engine.backward, engine.step)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def forward(self, x, y):
+        return lm_loss(self.engine(x), y)
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def update(self):
+        self.engine.step()
+
+
 def setup_ddp(model, args, launch):
     from torch.nn.parallel import DistributedDataParallel as DDP
     init_gloo(launch)
     ddp = DDP(model)
-    opt = torch_adamw(ddp.parameters())
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = lm_loss(ddp(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-    return step
+    return TorchStep(ddp, torch_adamw(ddp.parameters()))
 
 
 def setup_zero_redundancy(model, args, launch):
@@ -64,14 +90,7 @@ def setup_zero_redundancy(model, args, launch):
     init_gloo(launch)
     ddp = DDP(model)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW)
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = lm_loss(ddp(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-    return step
+    return TorchStep(ddp, opt)
 
 
 def setup_fsdp2(model, args, launch):
@@ -83,15 +102,7 @@ def setup_fsdp2(model, args, launch):
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch_adamw(model.parameters())
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-    return step
+    return TorchStep(model, torch_adamw(model.parameters()))
 
 
 def setup_deepspeed(model, args, launch):
@@ -108,13 +119,7 @@ def setup_deepspeed(model, args, launch):
               "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch_adamw(model.parameters()),
                                       config=config)
-
-    def step(x, y):
-        loss = lm_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-    return step
+    return EngineStep(engine)
 
 
 def setup_zero_core(model, args, launch):
@@ -128,14 +133,7 @@ def setup_zero_core(model, args, launch):
         config["zero_optimization"]["reduce_bucket_size"] = args.bucket_elements
     engine, *_ = zero_core.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)
-
-    def step(x, y):
-        loss = lm_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-    step.engine = engine
-    return step
+    return EngineStep(engine)
 
 
 SETUPS = {"ddp": setup_ddp, "zero_redundancy": setup_zero_redundancy, "fsdp2": setup_fsdp2,
@@ -162,26 +160,39 @@ def main() -> None:
     rss_before_setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     step = SETUPS[args.contender](model, args, launch)
 
-    times, cpu_times, losses = [], [], []
+    phases = ("forward", "backward", "update")
+    wall = {ph: [] for ph in phases}
+    cpu = {ph: [] for ph in phases}
+    losses = []
     for i in range(args.warmup + args.steps):
         x, y = sampler.rank_batch(i, launch.rank)
+        # CPU seconds of this process (all its threads) are less sensitive to other load than
+        # wall time, but they count busy-waiting too (MPI polls while it waits)
         t0, c0 = time.perf_counter(), time.process_time()
-        losses.append(step(x, y))
-        times.append(time.perf_counter() - t0)
-        # CPU seconds of this process (all its threads): less sensitive to other load than
-        # wall time, but counts busy-waiting (MPI polls while it waits)
-        cpu_times.append(time.process_time() - c0)
+        loss = step.forward(x, y)
+        t1, c1 = time.perf_counter(), time.process_time()
+        step.backward(loss)
+        t2, c2 = time.perf_counter(), time.process_time()
+        step.update()
+        t3, c3 = time.perf_counter(), time.process_time()
+        losses.append(loss.item())
+        for ph, (ta, tb, ca, cb) in zip(phases, ((t0, t1, c0, c1), (t1, t2, c1, c2), (t2, t3, c2, c3))):
+            wall[ph].append(tb - ta)
+            cpu[ph].append(cb - ca)
+    times = [sum(wall[ph][i] for ph in phases) for i in range(len(losses))]
+    cpu_times = [sum(cpu[ph][i] for ph in phases) for i in range(len(losses))]
     out = {"rank": launch.rank, "world_size": launch.world_size,
            "step_s": times[args.warmup:], "warmup_s": times[:args.warmup], "losses": losses,
            "cpu_step_s": cpu_times[args.warmup:],
+           "phase_wall_s": {ph: v[args.warmup:] for ph, v in wall.items()},
+           "phase_cpu_s": {ph: v[args.warmup:] for ph, v in cpu.items()},
            # ru_maxrss is KiB on Linux: the peak resident set of this rank's process
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "rss_before_setup_bytes": rss_before_setup,
            "torch": torch.__version__, "threads": torch.get_num_threads()}
-    engine = getattr(step, "engine", None)
-    if engine is not None:
-        out["memory_report"] = engine.memory_report()
-        out["comm_report"] = engine.comm_report()
+    if args.contender == "zero_core":
+        out["memory_report"] = step.engine.memory_report()
+        out["comm_report"] = step.engine.comm_report()
     report(out)
     # Tear down before the interpreter exits: a gloo process group still alive at exit can
     # abort the process ("terminate called without an active exception") while Python
