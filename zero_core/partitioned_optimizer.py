@@ -105,6 +105,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                     self._grad32.release(scratch)
                 if send is not None:
                     if not gb.mixed:
+                        # fp32: the updated slice lives inside the gather's output; MPI
+                        # forbids a send buffer that aliases the receive buffer, so send a
+                        # copy (1/N of the bucket)
                         send.copy_(master)
                     self._launch_gather(gb, k, send, inflight)
         self._drain(inflight)
