@@ -55,9 +55,10 @@ class ParamCoordinator:
         """Gather *units* now (they are about to be used) and prefetch what follows."""
         for u in units:
             self.trace.record(u.index)
-        self.gatherer.ensure(units)
-        if self.trace.following and self.prefetch_bucket_size > 0:
-            self._prefetch()
+        with self.gatherer.computing():
+            self.gatherer.ensure(units)
+            if self.trace.following and self.prefetch_bucket_size > 0:
+                self._prefetch()
 
     def _prefetch(self) -> None:
         ahead = 0

@@ -115,7 +115,11 @@ class Stage3Engine(ZeroEngine):
         for b in model.buffers():
             ledger.track("buffers", b)
 
-        self.gatherer = UnitGatherer(self.comm, dtype, self.device)
+        # ZeRO++ (zero_core/zeropp): how units are gathered and reduced, when configured
+        from ..zeropp import build_zeropp
+        self.zeropp = build_zeropp(self, units)
+        self.gatherer = UnitGatherer(self.comm, dtype, self.device,
+                                     strategy=self.zeropp.fetch if self.zeropp else None)
         self.coordinator = ParamCoordinator(
             units, self.gatherer, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
             zc.stage3_max_reuse_distance)
@@ -132,12 +136,15 @@ class Stage3Engine(ZeroEngine):
     def _build_reducer(self):
         return Stage3GradReducer(
             self.units, self.comm, self.coordinator, self.config.zero_optimization.overlap_comm,
-            on_allocate=lambda t: self.memory_ledger.track("communication_buffers", t))
+            on_allocate=lambda t: self.memory_ledger.track("communication_buffers", t),
+            reduce_unit=self.zeropp.reduce_unit if self.zeropp else None)
 
     # ---- training ----------------------------------------------------------------------------
     def _optimizer_step(self):
         super()._optimizer_step()
         self.coordinator.release_all()  # gathered copies are stale after the update
+        if self.zeropp is not None:
+            self.zeropp.partitions_changed()  # and so are hpZ's secondary partitions
 
     def destroy(self) -> None:
         """Remove hooks; parameters stay partitioned (gather them with GatheredParameters)."""
@@ -186,6 +193,8 @@ class Stage3Engine(ZeroEngine):
     def _checkpoint_restored(self):
         from ..engine_checkpoint import stage3_restored
         stage3_restored(self)
+        if self.zeropp is not None:
+            self.zeropp.partitions_changed()
 
     def _checkpoint_layout(self):
         from ..engine_checkpoint import stage3_layout
@@ -213,4 +222,6 @@ class Stage3Engine(ZeroEngine):
             "prefetched": self.coordinator.prefetched,
             "trace_rerecorded": self.coordinator.trace.rerecorded,
         }
+        if self.zeropp is not None:
+            rep["zeropp"] = self.zeropp.memory_report()
         return rep

@@ -10,11 +10,19 @@ reference), and overwriting it would change those saved values. A buffer is free
 the last reference goes — for parameters saved directly by autograd (``F.linear`` saves
 the weight itself) that is at release.
 
+Strategy hook: with a *strategy* (ZeRO++, zero_core/zeropp), ``strategy.launch(u,
+for_compute)`` returns ``(full, handle)`` instead of the plain all-gather (``for_compute``
+is true while the coordinator gathers for forward/backward, when a lossy quantized copy
+is acceptable; pins and state dicts gather exactly), and ``strategy.write_back(u)``
+replaces :meth:`UnitGatherer.write_back`.
+
 Live accounting: ``live_numel`` counts the elements of non-persistent units that are
 gathered or in flight (the window bounded by ``stage3_max_live_parameters``); persistent
 units are counted separately (``persistent_numel``).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -26,8 +34,11 @@ from .units import FetchUnit
 class UnitGatherer:
     """Gathers and releases fetch units over *comm* (world group)."""
 
-    def __init__(self, comm: Communicator, compute_dtype: torch.dtype, device: torch.device):
+    def __init__(self, comm: Communicator, compute_dtype: torch.dtype, device: torch.device,
+                 strategy=None):
         self.comm, self.dtype, self.device = comm, compute_dtype, device
+        self.strategy = strategy   # see the module docstring; None: plain all-gather
+        self.for_compute = False
         self.live_numel = 0
         self.peak_live_numel = 0
         self.persistent_numel = 0
@@ -40,15 +51,27 @@ class UnitGatherer:
             self.live_numel += sign * u.padded_numel
             self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
+    @contextmanager
+    def computing(self):
+        """Gathers started inside are for forward/backward compute (see module docstring)."""
+        before, self.for_compute = self.for_compute, True
+        try:
+            yield
+        finally:
+            self.for_compute = before
+
     def start(self, u: FetchUnit) -> None:
         """Launch *u*'s all-gather if it is released (no-op otherwise)."""
         if u.state != "released":
             return
-        full = torch.empty(u.padded_numel, dtype=u.part.dtype, device=u.part.device)
-        if self.comm.world_size == 1:
+        if self.strategy is not None:
+            full, u.handle = self.strategy.launch(u, self.for_compute)
+        elif self.comm.world_size == 1:
+            full = torch.empty(u.padded_numel, dtype=u.part.dtype, device=u.part.device)
             full.copy_(u.part)
             u.handle = None
         else:
+            full = torch.empty(u.padded_numel, dtype=u.part.dtype, device=u.part.device)
             u.handle = self.comm.all_gather_into(full, u.part, async_op=True)
         u.full = full
         u.state = "inflight"
@@ -95,6 +118,9 @@ class UnitGatherer:
     def write_back(self, u: FetchUnit) -> None:
         """After the gathered values of *u* were modified (identically on every rank):
         copy this rank's slice into the partition, and into the fp32 master slice."""
+        if self.strategy is not None:
+            self.strategy.write_back(u)
+            return
         shard = u.padded_numel // self.comm.world_size
         mine = u.full.narrow(0, self.comm.rank * shard, shard)
         u.part.copy_(mine)

@@ -16,6 +16,9 @@ that unit, which is launched at the end of backward and adds to the accumulator.
 still incomplete at the end of backward (unused parameters) are launched with zeros in
 the missing places, in unit order.
 
+The collective itself is ``reduce_unit(u, output, input) -> handle`` (default: an async
+``reduce_scatter`` sum over the world); ZeRO++'s qgZ (zero_core/zeropp/qgz.py) replaces it.
+
 Launch order is the order units complete, which is the same on every rank (same graph,
 same deterministic autograd schedule).
 """
@@ -37,9 +40,10 @@ class Stage3GradReducer:
     mark_fresh, remove_hooks), over fetch units."""
 
     def __init__(self, units: list[FetchUnit], comm: Communicator, coordinator: ParamCoordinator,
-                 overlap: bool, on_allocate=None, max_inflight: int = 4):
+                 overlap: bool, on_allocate=None, max_inflight: int = 4, reduce_unit=None):
         self.units = [u for u in units if u.trainable]
         self.comm, self.coord, self.overlap = comm, coordinator, overlap
+        self._reduce = reduce_unit or self._reduce_scatter
         self.max_inflight = max_inflight
         self._slot = {}
         for u in self.units:
@@ -107,13 +111,13 @@ class Stage3GradReducer:
             self._grad_pool.release(buf)
             return
         if fresh:
-            handle = self.comm.reduce_scatter(acc, buf, "sum", async_op=True)
+            handle = self._reduce(u, acc, buf)
 
             def done(buf=buf):
                 self._grad_pool.release(buf)
         else:
             out = self._out_pool.take(acc.numel(), self._finish_oldest)
-            handle = self.comm.reduce_scatter(out, buf, "sum", async_op=True)
+            handle = self._reduce(u, out, buf)
 
             def done(buf=buf, out=out, acc=acc):
                 acc.add_(out)
@@ -126,6 +130,9 @@ class Stage3GradReducer:
         self._inflight.append((handle, done))
         while len(self._inflight) > self.max_inflight:
             self._finish_oldest()
+
+    def _reduce_scatter(self, u: FetchUnit, output: torch.Tensor, input: torch.Tensor):
+        return self.comm.reduce_scatter(output, input, "sum", async_op=True)
 
     def _finish_oldest(self) -> bool:
         if not self._inflight:
