@@ -35,7 +35,7 @@ def test_defaults():
     assert not cfg.bf16.enabled
     assert cfg.optimizer is None and cfg.scheduler is None
     z = cfg.zero_optimization
-    assert (z.stage, z.reduce_bucket_size, z.allgather_bucket_size) == (0, 500_000_000, 500_000_000)
+    assert (z.stage, z.reduce_bucket_size, z.allgather_bucket_size) == (0, 5_000_000, 500_000_000)
     assert z.overlap_comm and z.contiguous_gradients and z.reduce_scatter
     assert (cfg.accelerator, cfg.comm_backend, cfg.comm_timeout) == (None, None, None)
     assert cfg.topology.ranks_per_node is None
