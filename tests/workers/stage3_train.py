@@ -340,7 +340,90 @@ def memory_reports():
     return out
 
 
+class Stack(torch.nn.Module):
+    """Linear layers in a row: one fetch unit per weight, used once in forward and once
+    in backward, so the live window is set by the config alone."""
+
+    def __init__(self, n=8, d=16):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def live_window():
+    """Peak of the gathered window under three max_live/reuse settings."""
+    rt = zero_core.get_runtime()
+    out = {}
+    for name, live, reuse in (("tight", 1, 0), ("window", 600, 0), ("keep_all", 10**9, 10**9)):
+        cfg = stage3_config(gas=1, reduce_bucket_size=200, stage3_prefetch_bucket_size=10**6,
+                            stage3_max_live_parameters=live, stage3_max_reuse_distance=reuse)
+        torch.manual_seed(11)
+        model = Stack()
+        engine, _, _, _ = zero_core.initialize(model=model, config=cfg)
+        for step in range(3):
+            x = torch.randn(MICRO, 16, generator=torch.Generator().manual_seed(step * 10 + rt.rank))
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+        rep = engine.memory_report()["stage3"]
+        rep["unit_bytes"] = sorted(u.padded_numel * 4 for u in engine.units if not u.persistent)
+        out[name] = rep
+        engine.destroy()
+    return out
+
+
+def init_memory(layers=12, width=1024):
+    """Peak memory (process RSS above the start) while building a model of *layers*
+    width×width Linear layers, with and without Init; the model re-initializes its
+    children with apply(), which under Init gathers each weight once."""
+    import gc
+
+    class Big(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False)
+                                              for _ in range(layers))
+            self.apply(self._init)
+
+        @staticmethod
+        def _init(m):
+            if isinstance(m, torch.nn.Linear):
+                torch.nn.init.normal_(m.weight, std=0.02)
+
+    acc = zero_core.get_runtime().accelerator
+    cfg = stage3_config()
+    out = {"model_bytes": layers * width * width * 4, "module_bytes": width * width * 4}
+    torch.manual_seed(0)
+    with zero_core.Init(config=cfg):  # warm-up: first-use allocations of torch and the comm
+        warm = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+        warm.apply(Big._init)
+    del warm
+    for name in ("init", "plain"):
+        gc.collect()
+        acc.reset_peak_memory_stats()
+        base = acc.memory_allocated()
+        torch.manual_seed(0)
+        if name == "init":
+            with zero_core.Init(config=cfg):
+                model = Big()
+        else:
+            model = Big()
+        out[name] = {"peak": acc.max_memory_allocated() - base,
+                     "after": acc.memory_allocated() - base}
+        if name == "init":
+            w = model.layers[3].weight
+            with zero_core.GatheredParameters([w]):
+                out["init_std"] = float(w.detach().std())
+        del model
+    return out
+
+
 SCENARIOS = {
+    "window": live_window,
+    "init_memory": init_memory,
     "fp32": lambda: {"small_window": train_and_compare(),
                      "defaults": train_and_compare(steps=6, seed=3, reduce_bucket_size=10**6,
                                                    stage3_prefetch_bucket_size=5 * 10**7,

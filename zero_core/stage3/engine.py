@@ -218,6 +218,7 @@ class Stage3Engine(ZeroEngine):
             "largest_unit": max(u.padded_numel for u in self.units) * elem,
             "fetch_units": len(self.units),
             "persistent_units": sum(u.persistent for u in self.units),
+            "trainable_units": sum(u.trainable for u in self.units),
             "gathers": g.gathers,
             "prefetched": self.coordinator.prefetched,
             "trace_rerecorded": self.coordinator.trace.rerecorded,

@@ -93,9 +93,13 @@ def _write_back_own(p, full: torch.Tensor, rank: int) -> None:
 
 
 def _checksum(x: torch.Tensor) -> torch.Tensor:
-    x = x.reshape(-1).to(torch.float64)
-    w = torch.arange(x.numel(), dtype=torch.float64, device=x.device).remainder_(97).add_(1)
-    return torch.stack([x.sum(), x.dot(x), x.dot(w)])
+    """Sum, sum of squares and a strided sum of *x*, in its own dtype (a float64 sum would
+    make a full-size float64 copy and raise the construction peak). Equal values give equal
+    sums on every rank (same ops, same order); the strided sum catches most permutations."""
+    x = x.detach().reshape(-1)
+    if not x.is_floating_point():
+        x = x.double()
+    return torch.stack([x.sum(), x.dot(x), x[::7].sum()]).double()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +210,8 @@ class Init:
         self.enabled = bool(enabled) and stage == 3
         self.config = cfg
         self.comm = None
-        self._checks: list[tuple[str, torch.Tensor]] = []
+        self._checks: list[tuple] = []   # (parameter, name, checksums)
+        self._outermost = None
         if module is not None and self.enabled:
             with self:
                 self.partition_module(module)
@@ -243,22 +248,24 @@ class Init:
     def partition_module(self, module: torch.nn.Module) -> None:
         """Partition every parameter of *module* (recursively) not partitioned yet."""
         comm = self.comm
+        self._outermost = module  # the last module finished holds all earlier ones
         for name, p in module.named_parameters():
             if pp.is_partitioned(p):
                 continue
-            self._checks.append((name, _checksum(p.data)))
+            self._checks.append((p, f"{type(module).__name__}.{name}", _checksum(p.data)))
             partition_own(p, name, comm.rank, comm.world_size)
 
     def _verify(self) -> None:
         """Every rank must have built the same values (one all-reduce)."""
         if not self._checks or self.comm.world_size == 1:
             return
-        sums = torch.stack([c for _, c in self._checks])
+        sums = torch.stack([c for _, _, c in self._checks])
         both = torch.cat([sums, -sums]).contiguous()
         self.comm.all_reduce(both, "max")
         n = len(self._checks)
         differs = (both[:n] != -both[n:]).any(dim=1)
-        names = [name for name, _ in self._checks]
+        qualified = {id(p): n for n, p in self._outermost.named_parameters()}
+        names = [qualified.get(id(p), fallback) for p, fallback, _ in self._checks]
         self._checks = []
         if bool(differs.any()):
             first = int(differs.nonzero()[0, 0])
