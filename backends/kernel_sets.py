@@ -13,6 +13,13 @@ hpu        ``accel_kernels.optim_hpu`` (meant to wrap Habana's fused optimizers,
            reference kernels, which Habana's bridge runs as ordinary torch ops on the card
 =========  ==================================================================================
 
+Quantization (ZeRO++): every set also carries ``quantize``, ``dequantize`` and
+``dequantize_reduce_requantize`` in its ``extra`` dict (signatures and wire format:
+``accel_kernels.quant_layout``), from ``quant_cpu`` (cpu), ``quant_triton`` (cuda, xpu; when
+triton is installed), ``quant_hpu`` (hpu) or ``quant_reference`` (reference, and the
+fallback of the others); ``info["quantize"]`` names the module. The engine reaches them only
+through ``runtime.kernels.extra``.
+
 Each KernelSet's ``info`` names the functions that back it and, for a fallback, why;
 ``zero-core report`` prints it. Modules that need a vendor library (triton,
 habana_frameworks) are only located here and imported on the first call, so registering
@@ -38,6 +45,12 @@ CPU = f"{PACKAGE}.optim_cpu"
 TRITON = f"{PACKAGE}.optim_triton"
 HPU = f"{PACKAGE}.optim_hpu"
 CHECKS = f"{PACKAGE}.optim_checks"
+QUANT_REFERENCE = f"{PACKAGE}.quant_reference"
+QUANT_CPU = f"{PACKAGE}.quant_cpu"
+QUANT_TRITON = f"{PACKAGE}.quant_triton"
+QUANT_HPU = f"{PACKAGE}.quant_hpu"
+#: the quantization kernels every set carries in ``KernelSet.extra``
+QUANT_KERNELS = ("quantize", "dequantize", "dequantize_reduce_requantize")
 
 TORCH_FUSED = "torch fused ops (torch._fused_adam_ / torch._fused_adamw_ / torch._fused_sgd_)"
 
@@ -141,6 +154,36 @@ def _torch_fused_available() -> bool:
     return all(hasattr(torch, op) for op in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_"))
 
 
+# ---- quantization kernels (KernelSet.extra) -----------------------------------------------
+def _quant_extra(module: str, lazy: bool = False) -> tuple[dict, dict]:
+    """(extra, info) for the quantization kernels of *module*, falling back to the reference
+    module when it is missing or broken. *lazy*: import on first call (vendor libraries)."""
+    if lazy:
+        return ({k: LazyKernel(module, k) for k in QUANT_KERNELS}, {"quantize": module})
+    mod, why = _import_kernels(module)
+    info = {"quantize": module}
+    if mod is None:
+        mod, _ = _import_kernels(QUANT_REFERENCE)
+        if mod is None:
+            return {}, {"quantize": f"none ({why})"}
+        info = {"quantize": QUANT_REFERENCE, "quantize_fallback_reason": why}
+    return {k: getattr(mod, k) for k in QUANT_KERNELS}, info
+
+
+def _with_quant(ks: KernelSet, module: str, lazy: bool = False) -> KernelSet:
+    """*ks* with the quantization kernels of *module* added to ``extra`` and ``info``."""
+    extra, info = _quant_extra(module, lazy)
+    return KernelSet(ks.name, ks.adam_step, ks.sgd_step, info={**ks.info, **info},
+                     extra={**ks.extra, **extra})
+
+
+def _device_quant_module() -> tuple[str, bool]:
+    """cuda/xpu: the Triton quantization kernels when triton is installed, else reference."""
+    if module_present(QUANT_TRITON) and module_present("triton"):
+        return QUANT_TRITON, True
+    return QUANT_REFERENCE, False
+
+
 # ---- the sets ------------------------------------------------------------------------------
 def _reference_set(name: str, reference, **info) -> KernelSet:
     info = {"implementation": "reference (pure torch)", **_names(REFERENCE), **info}
@@ -171,24 +214,25 @@ def builtin_kernel_sets() -> list[KernelSet]:
     if reference is None:
         raise PluginError(f"the reference optimizer kernels cannot be loaded: {why}. They are "
                           f"part of zero-core itself: reinstall it (pip install -e .)")
-    sets = [_reference_set("reference", reference)]
+    sets = [_with_quant(_reference_set("reference", reference), QUANT_REFERENCE)]
 
     cpu, why = _import_kernels(CPU)
     if cpu is not None:
-        sets.append(KernelSet("cpu", cpu.adam_step, cpu.sgd_step,
-                              info={"implementation": _summary(cpu), **_names(CPU)}))
+        sets.append(_with_quant(KernelSet("cpu", cpu.adam_step, cpu.sgd_step, info={
+            "implementation": _summary(cpu), **_names(CPU)}), QUANT_CPU))
     else:
-        sets.append(_reference_set("cpu", reference, fallback_reason=why))
+        sets.append(_with_quant(_reference_set("cpu", reference, fallback_reason=why), QUANT_CPU))
 
-    sets.append(_device_set("cuda", reference))
-    sets.append(_device_set("xpu", reference))
+    sets.append(_with_quant(_device_set("cuda", reference), *_device_quant_module()))
+    sets.append(_with_quant(_device_set("xpu", reference), *_device_quant_module()))
 
     if module_present(HPU):
-        sets.append(KernelSet("hpu", LazyKernel(HPU, "adam_step"), LazyKernel(HPU, "sgd_step"),
-                              info={"implementation": "Habana fused ops", **_names(HPU)}))
+        hpu = KernelSet("hpu", LazyKernel(HPU, "adam_step"), LazyKernel(HPU, "sgd_step"),
+                        info={"implementation": "Habana fused ops", **_names(HPU)})
     else:
-        sets.append(_reference_set(
+        hpu = _reference_set(
             "hpu", reference,
             fallback_reason=f"{HPU} does not exist yet; the reference kernels run as "
-                            f"ordinary torch ops on the card through Habana's bridge"))
+                            f"ordinary torch ops on the card through Habana's bridge")
+    sets.append(_with_quant(hpu, QUANT_HPU))
     return sets
