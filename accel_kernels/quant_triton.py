@@ -38,9 +38,12 @@ def kernels():
 
 
 def _lanes(block_size: int, bits: int) -> dict:
-    """Tile width of one block: the block size rounded up to a power of two."""
+    """Launch options: the tile width of one block (the block size rounded up to a power
+    of two), and no FMA contraction, which would round q*s+t once where the reference
+    rounds twice."""
     lanes = 1 << max(0, (block_size - 1).bit_length())
-    return {"LANES": lanes} if bits == 8 else {"HALF_LANES": max(1, lanes // 2)}
+    tile = {"LANES": lanes} if bits == 8 else {"HALF_LANES": max(1, lanes // 2)}
+    return {**tile, "enable_fp_fusion": False}
 
 
 def quantize(x: torch.Tensor, bits: int, block_size: int, *, out=None):

@@ -28,15 +28,23 @@ def _to_output(v, dtype: tl.constexpr):
     the hardware's round-to-nearest-even conversion."""
     if dtype == tl.bfloat16:
         bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        # shifts instead of "& 0xFFFF0000", a literal that would not stay 32-bit
+        bits = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16) << 16
         v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # keep NaN a NaN
     return v.to(dtype)
 
 
 @triton.jit
+def _div(x, y):
+    """IEEE round-to-nearest x / y: Triton's ``/`` is a 2-ulp approximation on CUDA
+    (div.full.f32), which would make rare values round differently from the reference."""
+    return tl.math.div_rn(x, tl.broadcast_to(y, x.shape))
+
+
+@triton.jit
 def _block_scale(absmax, n_bad, QMAX: tl.constexpr):
     """(scale to store, divisor to use) of one block."""
-    scale = absmax / QMAX
+    scale = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))
     scale = tl.where(n_bad > 0, float("nan"), scale)
     divisor = tl.where(scale > 0.0, scale, 1.0)  # NaN > 0 is false: NaN blocks divide by 1
     return scale, divisor
@@ -59,7 +67,7 @@ def quantize_int8_kernel(x_ptr, payload_ptr, scales_ptr, numel, block_size,
     n_bad = tl.sum(_is_bad(x), axis=0)
     absmax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
     scale, divisor = _block_scale(absmax, n_bad, 127.0)
-    q = _round_half_even(x / divisor)
+    q = _round_half_even(_div(x, divisor))
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
     q = tl.where(n_bad > 0, 0.0, q)
     tl.store(payload_ptr + offs, q.to(tl.int8), mask=mask)
@@ -73,8 +81,8 @@ def _quantize_int4_pairs(x_even, x_odd, mask_even, mask_odd):
     absmax = tl.maximum(tl.max(tl.where(mask_even, tl.abs(x_even), 0.0), axis=0),
                         tl.max(tl.where(mask_odd, tl.abs(x_odd), 0.0), axis=0))
     scale, divisor = _block_scale(absmax, n_bad, 7.0)
-    q_even = tl.minimum(tl.maximum(_round_half_even(x_even / divisor), -7.0), 7.0)
-    q_odd = tl.minimum(tl.maximum(_round_half_even(x_odd / divisor), -7.0), 7.0)
+    q_even = tl.minimum(tl.maximum(_round_half_even(_div(x_even, divisor)), -7.0), 7.0)
+    q_odd = tl.minimum(tl.maximum(_round_half_even(_div(x_odd, divisor)), -7.0), 7.0)
     q_even = tl.where(n_bad > 0, 0.0, q_even)
     q_odd = tl.where((n_bad > 0) | (~mask_odd), 0.0, q_odd)  # a missing odd element packs as 0
     packed = (q_even.to(tl.int32) + 8) | ((q_odd.to(tl.int32) + 8) << 4)
@@ -147,7 +155,7 @@ def reduce_int8_kernel(payloads_ptr, scales_ptr, payload_ptr, out_scales_ptr, k,
     n_bad = tl.sum(_is_bad(total), axis=0)
     absmax = tl.max(tl.where(mask, tl.abs(total), 0.0), axis=0)
     scale, divisor = _block_scale(absmax, n_bad, 127.0)
-    q = tl.minimum(tl.maximum(_round_half_even(total / divisor), -127.0), 127.0)
+    q = tl.minimum(tl.maximum(_round_half_even(_div(total, divisor)), -127.0), 127.0)
     q = tl.where(n_bad > 0, 0.0, q)
     tl.store(payload_ptr + offs, q.to(tl.int8), mask=mask)
     tl.store(out_scales_ptr + blk, scale)

@@ -12,7 +12,8 @@ we allow s/2 + 4 * 2**-24 * (|x| + absmax). Inputs are normal floats; blocks who
 absmax is below ~1e-36 would get subnormal scales and are not claimed.
 
 Triton kernels run through Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors,
-which executes one program per block in Python: those tests use few, small blocks.
+which executes one program per block in Python: those tests use few, small blocks. They
+are also compiled for CUDA sm_80 (no GPU needed to compile) to check the lowering.
 """
 from __future__ import annotations
 
@@ -383,3 +384,62 @@ def _quiet_interpreter():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
+
+
+# ---------------------------------------------------------------- Triton: CUDA lowering
+
+
+CUDA_SIGNATURES = {  # kernel -> (argument types, constexprs) of one representative launch
+    "quantize_int8_kernel": ("*fp32 *i8 *fp32 i32 i32", {"LANES": 256}),
+    "quantize_int4_kernel": ("*bf16 *u8 *fp32 i32 i32", {"HALF_LANES": 128}),
+    "dequantize_int8_kernel": ("*i8 *fp32 *bf16 i32 i32", {"LANES": 256}),
+    "dequantize_int4_kernel": ("*u8 *fp32 *fp16 i32 i32", {"HALF_LANES": 128}),
+    "reduce_int8_kernel": ("*i8 *fp32 *i8 *fp32 i32 i32 i32 i32 i32", {"LANES": 256}),
+    "reduce_int4_kernel": ("*u8 *fp32 *u8 *fp32 i32 i32 i32 i32 i32", {"HALF_LANES": 128}),
+}
+
+
+_COMPILE_FOR_CUDA = r"""
+import inspect, json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from zero_core.accel_kernels import quant_triton_kernels as kernels
+name, types, constexprs = sys.argv[1], sys.argv[2].split(), json.loads(sys.argv[3])
+fn = getattr(kernels, name)
+signature = dict(zip(inspect.signature(fn.fn).parameters, types))
+signature.update({k: "constexpr" for k in constexprs})
+compiled = triton.compile(ASTSource(fn, signature, constexprs),
+                          target=GPUTarget("cuda", 80, 32), options={"enable_fp_fusion": False})
+ptx = compiled.asm["ptx"]
+print(json.dumps({"divisions": sorted(set(re.findall(r"\bdiv\.[a-z]+\.f32", ptx))),
+                  "fma": len(re.findall(r"\bfma\.", ptx))}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CUDA_SIGNATURES))
+def test_triton_kernel_compiles_for_cuda_with_ieee_division(name):
+    """No GPU here, but Triton can still compile for one (sm_80): this catches lowering
+    errors the interpreter cannot, and checks that the PTX divides with IEEE rounding
+    (div.rn; Triton's plain ``/`` gives the approximate div.full) and has no FMA
+    contraction, which the bit-for-bit agreement with the reference relies on. Runs in a
+    subprocess because this process has TRITON_INTERPRET=1."""
+    import json
+    import subprocess
+    import sys
+
+    _triton_or_skip()
+    types, constexprs = CUDA_SIGNATURES[name]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "0"
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_CUDA, name, types,
+                           json.dumps(constexprs)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode and ("ptxas" in proc.stderr or "CUDA" in proc.stderr):
+        print(f"SKIP CUDA lowering of {name}: {proc.stderr.strip().splitlines()[-1]}")
+        pytest.skip("this triton cannot compile for CUDA here")
+    assert proc.returncode == 0, f"compiling {name} for CUDA failed:\n{proc.stderr[-3000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result["divisions"]) <= {"div.rn.f32"}, f"non-IEEE division: {result}"
+    assert result["fma"] == 0, f"FMA contraction in PTX: {result}"
