@@ -42,6 +42,7 @@ from zero_core.checkpoint_store import CheckpointError
 from zero_core.testing import report
 
 VOCAB, DIM, SEQ, MICRO, GAS = 32, 16, 6, 2, 2
+GLOBAL_BATCH = 16  # rows per optimizer step in the resharding runs, split over the ranks
 
 
 class Net(torch.nn.Module):
@@ -90,11 +91,11 @@ CONFIGS = {"s0_sgd": (0, "fp32", "SGD"), "s1": (1, "fp32", "AdamW"), "s2": (2, "
            "s3": (3, "fp32", "AdamW"), "s3_bf16": (3, "bf16", "AdamW")}
 
 
-def config(stage, precision="fp32", opt="AdamW"):
+def config(stage, precision="fp32", opt="AdamW", micro=MICRO):
     params = {"lr": 1e-2}
     if opt == "SGD":
         params["momentum"] = 0.9
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": GAS,
            "gradient_clipping": 0.5, "optimizer": {"type": opt, "params": params},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
                                                         "warmup_max_lr": 1e-2,
@@ -109,9 +110,9 @@ def config(stage, precision="fp32", opt="AdamW"):
     return cfg
 
 
-def build(stage, precision="fp32", opt="AdamW", dropout=0.0, **model_kw):
+def build(stage, precision="fp32", opt="AdamW", dropout=0.0, micro=MICRO, **model_kw):
     model = make_model(dropout=dropout, **model_kw)
-    engine, _, _, _ = zero_core.initialize(model=model, config=config(stage, precision, opt),
+    engine, _, _, _ = zero_core.initialize(model=model, config=config(stage, precision, opt, micro),
                                            model_parameters=groups_of(model))
     return model, engine
 
@@ -142,11 +143,15 @@ def rng_batch(gen):
     return (ids + shift) % VOCAB, (torch.roll(ids, -1, 1) + noise) % VOCAB
 
 
+def global_micro() -> int:
+    """Per-rank micro-batch that keeps the global batch at GLOBAL_BATCH rows."""
+    return GLOBAL_BATCH // (GAS * rt().world_size)
+
+
 def global_batch(step):
-    """Step-indexed global batch (any world size sees the same samples)."""
-    n = MICRO * GAS * rt().world_size
+    """Step-indexed global batch of GLOBAL_BATCH rows (the same at any world size)."""
     g = torch.Generator().manual_seed(7000 + step)
-    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
     return ids, torch.roll(ids, -1, dims=1)
 
 
@@ -167,11 +172,11 @@ def train_rng(engine, gen, steps):
 
 
 def train_global(engine, steps):
-    rank, world = rt().rank, rt().world_size
+    rank, world, micro = rt().rank, rt().world_size, global_micro()
     for _ in range(steps):
         ids, tgt = global_batch(engine.global_steps)
         for m in range(GAS):
-            rows = slice((m * world + rank) * MICRO, (m * world + rank + 1) * MICRO)
+            rows = slice((m * world + rank) * micro, (m * world + rank + 1) * micro)
             engine.backward(loss_fn(engine(ids[rows]), tgt[rows]))
             engine.step()
 
@@ -237,7 +242,7 @@ def resume_second(directory, name, module_only=False):
 
 
 def reshard_save(directory, stage, precision="fp32"):
-    model, engine = build(stage, precision)
+    model, engine = build(stage, precision, micro=global_micro())
     train_global(engine, 10)
     engine.save_checkpoint(directory, tag="step10")
     out = {"fragments": fragments_of(engine, "save"), "params": params_of(engine),
@@ -247,14 +252,14 @@ def reshard_save(directory, stage, precision="fp32"):
 
 
 def reshard_load(directory, stage, precision="fp32"):
-    model, engine = build(stage, precision)
+    model, engine = build(stage, precision, micro=global_micro())
     engine.load_checkpoint(directory)
     out = {"loaded_fragments": fragments_of(engine, "load"), "loaded": counters(engine),
            "loaded_params": params_of(engine)}
     train_global(engine, 10)
     out.update(params=params_of(engine), **counters(engine))
     engine.destroy()
-    ref_model, ref = build(stage, precision)
+    ref_model, ref = build(stage, precision, micro=global_micro())
     train_global(ref, 20)
     out["uninterrupted"] = {"params": params_of(ref), **counters(ref)}
     out["rel_diff"] = rel_diff(out["params"], out["uninterrupted"]["params"])
@@ -263,7 +268,7 @@ def reshard_load(directory, stage, precision="fp32"):
 
 
 def kill_save(directory, timeout):
-    model, engine = build(2)
+    model, engine = build(2, micro=global_micro())
     train_global(engine, 3)
     engine.save_checkpoint(directory, tag="good")
     good = params_of(engine)
