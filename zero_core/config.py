@@ -76,6 +76,15 @@ zero_optimization.max_live_parameters                                           
 zero_optimization.max_reuse_distance                                            = stage3_max_reuse_distance
 zero_optimization.gather_16bit_weights_on_model_save                            = stage3_gather_16bit_weights_on_...
 zero_optimization.stage3_gather_fp16_weights_on_model_save                      = stage3_gather_16bit_weights_on_...
+zero_optimization.zero_quantized_weights                          false         bool; ZeRO++ qwZ: stage-3 all-gathers
+                                                                                carry int8 + block scales (stage 3 only)
+zero_optimization.zero_quantized_nontrainable_weights             false         bool; qwZ for frozen parameters only
+                                                                                (stage 3 only)
+zero_optimization.zero_hpz_partition_size                         1             ZeRO++ hpZ: ranks sharing a secondary
+                                                                                partition (normally the ranks per node);
+                                                                                1 = off; divides the world size; stage 3
+zero_optimization.zero_quantized_gradients                        false         bool; ZeRO++ qgZ: two-hop int4 gradient
+                                                                                all-to-all (stage 3 only)
 activation_checkpointing.partition_activations                    false         bool; split saved inputs across the
                                                                                 model-parallel group (mpu in configure)
 activation_checkpointing.cpu_checkpointing                        false         bool; saved inputs in host memory (also
@@ -170,7 +179,9 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
                           "stage3_max_reuse_distance", "max_reuse_distance",
                           "stage3_gather_16bit_weights_on_model_save",
                           "gather_16bit_weights_on_model_save",
-                          "stage3_gather_fp16_weights_on_model_save"),
+                          "stage3_gather_fp16_weights_on_model_save",
+                          "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                          "zero_hpz_partition_size", "zero_quantized_gradients"),
     "topology": ("ranks_per_node",),
     "activation_checkpointing": ("partition_activations", "cpu_checkpointing",
                                  "contiguous_memory_optimization", "number_checkpoints",
@@ -253,10 +264,6 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
         "cpu_offload_param": "parameter offload",
         "cpu_offload_use_pin_memory": "pinned offload buffers",
         "sub_group_size": "offload sub-groups",
-        "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning (hpZ)",
-        "zero_quantized_weights": "ZeRO++ quantized weights (qwZ)",
-        "zero_quantized_nontrainable_weights": "ZeRO++ quantized frozen weights",
-        "zero_quantized_gradients": "ZeRO++ quantized gradients (qgZ)",
         "zeropp_loco_param": "ZeRO++ LoCo error feedback",
         "mics_shard_size": "MiCS sharding",
         "mics_hierarchical_params_gather": "MiCS hierarchical gather",
@@ -295,10 +302,6 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "zero_optimization.allgather_partitions": True,
     "zero_optimization.round_robin_gradients": False,
     "zero_optimization.cpu_offload": False,
-    "zero_optimization.zero_hpz_partition_size": 1,
-    "zero_optimization.zero_quantized_weights": False,
-    "zero_optimization.zero_quantized_nontrainable_weights": False,
-    "zero_optimization.zero_quantized_gradients": False,
     "zero_optimization.elastic_checkpoint": False,
     "zero_optimization.compute_grad_norm": True,
     "zero_optimization.parameter_alignment": False,
@@ -402,6 +405,17 @@ class ZeroConfig:
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
+    # ZeRO++ (stage 3 only; zero_core/zeropp)
+    zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    zero_hpz_partition_size: int = 1
+    zero_quantized_gradients: bool = False
+
+    @property
+    def zeropp_enabled(self) -> bool:
+        """True when any ZeRO++ feature (qwZ, hpZ, qgZ) is switched on."""
+        return (self.zero_quantized_weights or self.zero_quantized_nontrainable_weights
+                or self.zero_hpz_partition_size > 1 or self.zero_quantized_gradients)
 
 
 @dataclass(frozen=True)
@@ -811,7 +825,41 @@ def _parse_scheduler(raw: Any) -> SchedulerConfig | None:
     return SchedulerConfig(type=kind, params=params)
 
 
-def _parse_zero(raw: Any) -> ZeroConfig:
+_ZEROPP_NAMES = {
+    "zero_quantized_weights": "qwZ (quantized weight all-gathers)",
+    "zero_quantized_nontrainable_weights": "qwZ for frozen weights",
+    "zero_hpz_partition_size": "hpZ (secondary partitions inside the node)",
+    "zero_quantized_gradients": "qgZ (quantized gradient all-to-all)",
+}
+
+
+def _parse_zeropp(s: "_Section", stage: int, world_size: int) -> dict:
+    """The ZeRO++ keys; switched on below stage 3 they are an error (ZeRO++ changes how
+    stage 3 gathers its partitioned parameters, which stages 0-2 do not have)."""
+    values = {
+        "zero_quantized_weights": s.get("zero_quantized_weights", False, _as_bool),
+        "zero_quantized_nontrainable_weights": s.get("zero_quantized_nontrainable_weights",
+                                                     False, _as_bool),
+        "zero_hpz_partition_size": s.get("zero_hpz_partition_size", 1, _as_int, 1),
+        "zero_quantized_gradients": s.get("zero_quantized_gradients", False, _as_bool),
+    }
+    off = {"zero_hpz_partition_size": 1}
+    for key, value in values.items():
+        if stage < 3 and value != off.get(key, False):
+            raise _fail(f"zero_optimization.{key}", value,
+                        f"ZeRO++ {_ZEROPP_NAMES[key]} works on stage 3's partitioned parameters; "
+                        f"set zero_optimization.stage to 3 to use it — at stage {stage} only "
+                        f"{str(off.get(key, False)).lower()} (the feature off) is accepted")
+    hpz = values["zero_hpz_partition_size"]
+    if world_size % hpz:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise _fail("zero_optimization.zero_hpz_partition_size", hpz,
+                    f"must divide the world size {world_size} (valid: "
+                    f"{', '.join(map(str, divisors))}; normally the ranks per node)")
+    return values
+
+
+def _parse_zero(raw: Any, world_size: int = 1) -> ZeroConfig:
     s = _Section(raw, "zero_optimization", "zero_optimization")
     if s.has("stage"):
         stage = s.get("stage", 0, _as_int)
@@ -848,6 +896,7 @@ def _parse_zero(raw: Any) -> ZeroConfig:
         stage3_gather_16bit_weights_on_model_save=stage3(
             ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
              "stage3_gather_fp16_weights_on_model_save"), False, _as_bool),
+        **_parse_zeropp(s, stage, world_size),
     )
 
 
@@ -1002,7 +1051,7 @@ def parse_config(config: Any = None, world_size: int = 1) -> Config:
         bf16=bf16,
         optimizer=_parse_optimizer(top.raw.get("optimizer")),
         scheduler=_parse_scheduler(top.raw.get("scheduler")),
-        zero_optimization=_parse_zero(top.raw.get("zero_optimization")),
+        zero_optimization=_parse_zero(top.raw.get("zero_optimization"), world_size),
         steps_per_print=top.get("steps_per_print", 10, _as_int, 1),
         wall_clock_breakdown=top.get("wall_clock_breakdown", False, _as_bool),
         zero_allow_untested_optimizer=top.get("zero_allow_untested_optimizer", False, _as_bool),
