@@ -85,6 +85,34 @@ zero_optimization.zero_hpz_partition_size                         1             
                                                                                 1 = off; divides the world size; stage 3
 zero_optimization.zero_quantized_gradients                        false         bool; ZeRO++ qgZ: two-hop int4 gradient
                                                                                 all-to-all (stage 3 only)
+zero_optimization.sub_group_size                                  1e9           elements the offloaded optimizer steps at
+                                                                                once (NVMe: one swap unit), >= 1
+zero_optimization.offload_optimizer.device                        "none"        "none" | "cpu" | "nvme": fp32 master weights
+                                                                                and optimizer states in host memory / in
+                                                                                files; stepped on the CPU (stages 1-3)
+zero_optimization.offload_optimizer.nvme_path                     null          directory for the swap files (device nvme;
+                                                                                a subdirectory per rank is created/removed)
+zero_optimization.offload_optimizer.pin_memory                    false         bool; page-locked host buffers where the
+                                                                                accelerator has pinning (no-op on the CPU)
+zero_optimization.offload_optimizer.buffer_count                  4             sub-group buffers in host memory (nvme):
+                                                                                read-ahead + compute + write-behind, >= 3
+zero_optimization.offload_optimizer.fast_init                     false         bool; accepted, no effect (state files
+                                                                                always start as sparse zero files)
+zero_optimization.offload_optimizer.ratio                         1.0           only 1.0 (everything offloaded)
+zero_optimization.offload_optimizer.pipeline_read                 false         bool; accepted, no effect (reads are
+                                                                                always pipelined)
+zero_optimization.offload_optimizer.pipeline_write                false         bool; accepted, no effect (writes are
+                                                                                always pipelined)
+zero_optimization.offload_param.device                            "none"        "none" | "cpu" | "nvme": stage-3 parameter
+                                                                                partitions in host memory / files
+zero_optimization.offload_param.nvme_path                         null          directory for the parameter files (nvme)
+zero_optimization.offload_param.pin_memory                        false         bool, as for offload_optimizer
+zero_optimization.offload_param.buffer_count                      5             staging buffers for units read from
+                                                                                files (nvme), >= 2
+zero_optimization.offload_param.buffer_size                       1e8           elements per staging buffer; must hold
+                                                                                a fetch unit's partition, >= 1
+zero_optimization.offload_param.max_in_cpu                        1e9           partition elements kept in host memory
+                                                                                instead of files (nvme), >= 0
 activation_checkpointing.partition_activations                    false         bool; split saved inputs across the
                                                                                 model-parallel group (mpu in configure)
 activation_checkpointing.cpu_checkpointing                        false         bool; saved inputs in host memory (also
@@ -138,6 +166,7 @@ from .errors import ConfigError
 
 __all__ = [
     "Config", "FP16Config", "BF16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig",
+    "OffloadOptimizerConfig", "OffloadParamConfig",
     "TopologyConfig", "ActivationCheckpointingConfig", "parse_config",
     "parse_activation_checkpointing", "SUPPORTED_KEYS", "NOT_YET_IMPLEMENTED", "NEUTRAL_VALUES",
     "OPTIMIZER_TYPES", "SCHEDULER_TYPES",
@@ -180,8 +209,14 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
                           "stage3_gather_16bit_weights_on_model_save",
                           "gather_16bit_weights_on_model_save",
                           "stage3_gather_fp16_weights_on_model_save",
+                          "offload_optimizer", "offload_param", "sub_group_size",
                           "zero_quantized_weights", "zero_quantized_nontrainable_weights",
                           "zero_hpz_partition_size", "zero_quantized_gradients"),
+    "zero_optimization.offload_optimizer": ("device", "nvme_path", "pin_memory", "buffer_count",
+                                            "fast_init", "ratio", "pipeline_read",
+                                            "pipeline_write"),
+    "zero_optimization.offload_param": ("device", "nvme_path", "pin_memory", "buffer_count",
+                                        "buffer_size", "max_in_cpu"),
     "topology": ("ranks_per_node",),
     "activation_checkpointing": ("partition_activations", "cpu_checkpointing",
                                  "contiguous_memory_optimization", "number_checkpoints",
@@ -258,12 +293,9 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
         "stage3_use_all_reduce_for_fetch_params": "ZeRO stage 3 all-reduce fetch",
         "use_all_reduce_for_fetch_params": "ZeRO stage 3 all-reduce fetch",
         "stage3_*": "this ZeRO stage 3 option",
-        "offload_optimizer": "optimizer offload (ZeRO-Offload)",
-        "offload_param": "parameter offload (ZeRO-Infinity)",
         "cpu_offload": "optimizer offload (ZeRO-Offload)",
         "cpu_offload_param": "parameter offload",
         "cpu_offload_use_pin_memory": "pinned offload buffers",
-        "sub_group_size": "offload sub-groups",
         "zeropp_loco_param": "ZeRO++ LoCo error feedback",
         "mics_shard_size": "MiCS sharding",
         "mics_hierarchical_params_gather": "MiCS hierarchical gather",
@@ -390,6 +422,44 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer``: where fp32 master weights and optimizer
+    states live ("none": on the device; "cpu": host memory; "nvme": files under
+    ``nvme_path``). ``buffer_count`` sub-group buffers bound host memory with nvme."""
+
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+    fast_init: bool = False
+    ratio: float = 1.0
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    """``zero_optimization.offload_param`` (stage 3): where parameter partitions live.
+    With nvme, up to ``max_in_cpu`` partition elements stay in host memory and units are
+    read through ``buffer_count`` staging buffers of ``buffer_size`` elements."""
+
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """ZeRO stage and bucket sizes (in elements, not bytes)."""
 
@@ -410,6 +480,10 @@ class ZeroConfig:
     zero_quantized_nontrainable_weights: bool = False
     zero_hpz_partition_size: int = 1
     zero_quantized_gradients: bool = False
+    # offload (zero_core/offload)
+    sub_group_size: int = 1_000_000_000
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
 
     @property
     def zeropp_enabled(self) -> bool:
@@ -859,6 +933,59 @@ def _parse_zeropp(s: "_Section", stage: int, world_size: int) -> dict:
     return values
 
 
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def _offload_device(path: str, value: Any) -> str:
+    if value not in OFFLOAD_DEVICES:
+        raise _fail(path, value, f"expected one of {', '.join(map(repr, OFFLOAD_DEVICES))}"
+                                 f"{_suggest(str(value), OFFLOAD_DEVICES)}")
+    return value
+
+
+def _parse_offload_section(s: "_Section", key: str, stage: int) -> tuple:
+    sub = _Section(s.raw.get(key), f"zero_optimization.{key}", f"zero_optimization.{key}")
+    device = sub.get("device", "none", _offload_device)
+    path = sub.get("nvme_path", None, _optional(_as_name))
+    if device == "nvme" and path is None:
+        raise _fail(f"zero_optimization.{key}.nvme_path", None,
+                    "device 'nvme' needs a directory for the swap files (a fast local disk, "
+                    "e.g. \"/local_nvme\"); a subdirectory per rank is created there")
+    return sub, device, path
+
+
+def _parse_offload(s: "_Section", stage: int) -> dict:
+    """offload_optimizer / offload_param / sub_group_size (zero_core/offload)."""
+    sub, device, path = _parse_offload_section(s, "offload_optimizer", stage)
+    if device != "none" and stage < 1:
+        raise _fail("zero_optimization.offload_optimizer.device", device,
+                    "offloading the optimizer needs ZeRO stage 1, 2 or 3 (it offloads the "
+                    "partitioned optimizer states); set zero_optimization.stage >= 1")
+    ratio = sub.get("ratio", 1.0, _as_float, 0.0, 1.0)
+    if ratio != 1.0:
+        raise _fail("zero_optimization.offload_optimizer.ratio", ratio,
+                    "partial offload is not implemented; only 1.0 (all optimizer states "
+                    "offloaded) is accepted")
+    opt = OffloadOptimizerConfig(
+        device=device, nvme_path=path, pin_memory=sub.get("pin_memory", False, _as_bool),
+        buffer_count=sub.get("buffer_count", 4, _as_int, 3),
+        fast_init=sub.get("fast_init", False, _as_bool), ratio=ratio,
+        pipeline_read=sub.get("pipeline_read", False, _as_bool),
+        pipeline_write=sub.get("pipeline_write", False, _as_bool))
+    sub, device, path = _parse_offload_section(s, "offload_param", stage)
+    if device != "none" and stage != 3:
+        raise _fail("zero_optimization.offload_param.device", device,
+                    f"parameter offload works on stage 3's partitioned parameters; set "
+                    f"zero_optimization.stage to 3 (now {stage}) or device to 'none'")
+    param = OffloadParamConfig(
+        device=device, nvme_path=path, pin_memory=sub.get("pin_memory", False, _as_bool),
+        buffer_count=sub.get("buffer_count", 5, _as_int, 2),
+        buffer_size=sub.get("buffer_size", 100_000_000, _as_int, 1),
+        max_in_cpu=sub.get("max_in_cpu", 1_000_000_000, _as_int, 0))
+    return {"offload_optimizer": opt, "offload_param": param,
+            "sub_group_size": s.get("sub_group_size", 1_000_000_000, _as_int, 1)}
+
+
 def _parse_zero(raw: Any, world_size: int = 1) -> ZeroConfig:
     s = _Section(raw, "zero_optimization", "zero_optimization")
     if s.has("stage"):
@@ -897,6 +1024,7 @@ def _parse_zero(raw: Any, world_size: int = 1) -> ZeroConfig:
             ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
              "stage3_gather_fp16_weights_on_model_save"), False, _as_bool),
         **_parse_zeropp(s, stage, world_size),
+        **_parse_offload(s, stage),
     )
 
 
