@@ -147,6 +147,7 @@ def run_rank(args) -> dict:
         del buffers
     gloo.shutdown()
     mpi.shutdown()
+    dist.destroy_process_group()
     return {"world_size": n, "dtype": args.dtype, "results": results,
             "torch": torch.__version__}
 

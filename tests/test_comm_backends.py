@@ -161,3 +161,28 @@ def test_runtime_under_mpirun_without_master_addr(backend):
         assert rep["dist_initialized"] and rep["dist_rank"] == i and rep["dist_world"] == 2
         assert rep["dist_sum"] == 3.0 and rep["comm_sum"] == 3.0
         assert rep["dist_gather"] == [0.0, 1.0]
+
+
+@pytest.mark.multirank
+def test_bench_comm_runs_and_reports_nccl_tests_bandwidths(tmp_path):
+    """ci/bench_comm.py --launch 2 re-launches itself under mpirun and prints the table."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out_json = tmp_path / "bench.json"
+    out = subprocess.run([sys.executable, os.path.join(root, "ci", "bench_comm.py"), "--launch",
+                          "2", "--quick", "--max-size", "64K", "--iters", "3", "--json",
+                          str(out_json)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
+    for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        assert f"**{op}**" in out.stdout
+    data = json.loads(out_json.read_text())
+    assert data["world_size"] == 2
+    assert {r["bytes"] for r in data["results"]} == {4096, 65536}
+    for row in data["results"]:
+        factor = 2 * (2 - 1) / 2 if row["op"] == "all_reduce" else (2 - 1) / 2
+        for name, m in row["measurements"].items():
+            assert m["time_ms"] > 0
+            assert m["algbw_GBps"] == pytest.approx(row["bytes"] / (m["time_ms"] / 1e3) / 1e9)
+            assert m["busbw_GBps"] == pytest.approx(m["algbw_GBps"] * factor)

@@ -73,6 +73,20 @@ def test_mpi_hung_rank_raises_a_timeout_and_the_job_ends():
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("backend, launcher", [("gloo", "torchrun"), ("mpi", "mpirun")])
+def test_a_timed_out_wait_can_be_retried_when_the_peer_is_only_late(backend, launcher):
+    """gloo's Work.wait(timeout) raises "Operation timed out!" but keeps the work; MPI's
+    worker keeps running the call: the handle reports CommTimeoutError, and a second wait
+    completes with the right result."""
+    results, _ = _run(backend, "late", 2, launcher)
+    reps = [r.report for r in results]
+    assert all(rep is not None for rep in reps), results[0].log[-3000:]
+    assert reps[0]["first"]["type"] == "CommTimeoutError"
+    assert "all_reduce on group 'world'" in reps[0]["first"]["error"]
+    assert reps[0]["ok"] and reps[1]["ok"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend, launcher", [("gloo", "torchrun"), ("mpi", "mpirun")])
 def test_uncarriable_dtypes_fail_before_anything_is_sent(backend, launcher):
     results, _ = _run(backend, "dtype", 2, launcher)
     reps = [r.report for r in results]

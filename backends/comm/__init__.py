@@ -87,3 +87,15 @@ class ScratchPool:
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+
+
+def destroy_torch_distributed_at_exit() -> None:
+    """For ``atexit``: tear torch.distributed down while the interpreter is still whole.
+
+    A gloo worker thread that drops the last reference to a tensor during interpreter
+    finalization cannot take the GIL and aborts the process (seen as SIGABRT in
+    ProcessGroupGloo's runLoop when a script exits right after its last collective).
+    """
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -57,7 +57,8 @@ from zero_core.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable, CommError
 from zero_core.rendezvous import MPI_INSTALL_HINT, import_mpi
 
-from . import LOW_PRECISION_FLOATS, ScratchPool, refuse_integer_average, reduce_rows_into
+from . import (LOW_PRECISION_FLOATS, ScratchPool, destroy_torch_distributed_at_exit,
+               reduce_rows_into, refuse_integer_average)
 
 
 def _array(t: torch.Tensor):
@@ -149,7 +150,10 @@ class MpiCommunicator(Communicator):
         self._comms: list = []
         self._scratch = ScratchPool()
         super().__init__(launch, topology, timeout)
+        # the runtime starts torch.distributed (gloo) next to this communicator; it must be
+        # torn down before this exit hook and mpi4py's MPI_Finalize (atexit runs in reverse)
         atexit.register(self._at_exit)
+        atexit.register(destroy_torch_distributed_at_exit)
 
     # ---- setup -------------------------------------------------------------------------
     def _init_world(self) -> Group:

@@ -28,6 +28,7 @@ all-to-all on one host (84 MiB, 2 ranks: all-gather ~75-110 ms, reduce-scatter
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib
 import re
@@ -40,7 +41,8 @@ from zero_core.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable, CommError
 from zero_core.runtime import init_torch_distributed
 
-from . import ScratchPool, refuse_integer_average, reduce_rows_into
+from . import (ScratchPool, destroy_torch_distributed_at_exit, reduce_rows_into,
+               refuse_integer_average)
 
 # gloo: "Operation timed out!"; gloo transport: "Timed out waiting 5000ms for recv
 # operation to complete"; both mean "not done yet", not "broken".
@@ -155,6 +157,9 @@ class TorchDistCommunicator(Communicator):
 
     def _init_world(self) -> Group:
         dist = _dist()
+        if not dist.is_initialized():
+            # we start torch.distributed, so we also make sure it is torn down before exit
+            atexit.register(destroy_torch_distributed_at_exit)
         init_torch_distributed(self.launch, self.backend, self.timeout, device=self._device())
         if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
             raise CommError(

@@ -6,6 +6,9 @@ MODE
   hang   the last rank stops calling collectives (waits for the others to give up); the
          others must raise CommTimeoutError. Under mpirun the error is left uncaught, as
          in a real training script, and the job must still end (no hang in MPI_Finalize)
+  late   the last rank joins an all_reduce 3 s late; rank 0's wait with a 1 s deadline
+         raises CommTimeoutError, and waiting again on the same handle then succeeds with
+         the right result (the backend kept the collective running)
   dtype  rank 0 calls collectives the backend cannot carry (bool, integer average);
          each must fail before anything is sent, so the next collective still matches;
          then the ranks exit without calling shutdown()
@@ -79,6 +82,26 @@ elif MODE == "hang":
     if rank == 0:
         open(DONE, "w").close()
     os._exit(0)
+
+elif MODE == "late":
+    x = torch.full((1 << 16,), float(rank + 1))
+    expect = comm.world_size * (comm.world_size + 1) / 2
+    if rank == last:
+        time.sleep(3.0)
+        comm.all_reduce(x)
+        report({"rank": rank, "ok": bool((x == expect).all())})
+    else:
+        handle = comm.all_reduce(x, async_op=True)
+        handle.timeout = 1.0
+        try:
+            handle.wait()
+            first = None
+        except CommError as exc:
+            first = {"type": type(exc).__name__, "error": str(exc)}
+        handle.timeout = 60.0
+        handle.wait()
+        report({"rank": rank, "first": first, "ok": bool((x == expect).all())})
+    comm.barrier()
 
 elif MODE == "dtype":
     refused = []
