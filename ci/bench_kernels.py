@@ -16,8 +16,11 @@ a training loop with constant-size communication buffers calls it.
 
 Peers for the Adam step (one 50M-element fp32 partition, AdamW, bias correction):
 ``torch.optim.AdamW`` with ``foreach=True`` and with ``fused=True``, and DeepSpeed's
-``DeepSpeedCPUAdam`` if ``deepspeed`` can be imported (``DS_ACCELERATOR=cpu``; it
-compiles its C++ op at run time). Tables go to stdout as markdown, numbers to --json.
+``DeepSpeedCPUAdam`` (``DS_ACCELERATOR=cpu``; it compiles its C++ op at run time), run in
+a child process under this interpreter if it has deepspeed, else under the benchmark
+environment ci/bench_engine.py uses ($ZERO_CORE_BENCH_PYTHON, $ZERO_CORE_BENCH_VENV,
+<repo>/.bench-venv, /work/bench-venv), with the same thread count; skipped with the
+reason if none has it. Tables go to stdout as markdown, numbers to --json.
 """
 from __future__ import annotations
 
@@ -155,21 +158,9 @@ def bench_adam_peers(n: int, reps: int) -> tuple[list, list]:
     candidates = [("zero-core optim_cpu.adam_step", ours),
                   ("torch.optim.AdamW(fused=True)", lambda: torch_optim(fused=True)),
                   ("torch.optim.AdamW(foreach=True)", lambda: torch_optim(foreach=True))]
-    try:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        def deepspeed_cpu_adam():
-            param = torch.nn.Parameter(torch.randn(n))
-            param.grad = torch.randn(n)
-            opt = DeepSpeedCPUAdam([param], lr=ADAM["lr"], betas=(ADAM["beta1"], ADAM["beta2"]),
-                                   eps=ADAM["eps"], weight_decay=ADAM["weight_decay"],
-                                   adamw_mode=True)
-            return opt.step
-        candidates.append(("DeepSpeedCPUAdam (adamw_mode)", deepspeed_cpu_adam))
-    except Exception as exc:  # not installed, or its op failed to build
-        skipped.append(f"DeepSpeedCPUAdam: skipped, deepspeed is not usable here "
-                       f"({type(exc).__name__}: {exc}); `pip install deepspeed` to compare")
+    ds_row, ds_skip = deepspeed_cpu_adam_row(n, reps)
+    if ds_skip:
+        skipped.append(ds_skip)
     for name, make in candidates:
         try:
             step_fn = make()
@@ -180,7 +171,76 @@ def bench_adam_peers(n: int, reps: int) -> tuple[list, list]:
         rows.append({"optimizer": name, "numel": n, "best_ms": t["best_s"] * 1e3,
                      "median_ms": t["median_s"] * 1e3})
         del step_fn
+    if ds_row:
+        rows.append(ds_row)
     return rows, skipped
+
+
+# DeepSpeed is not a dependency of zero-core, so its CPU Adam is timed in a child process:
+# this interpreter if it has deepspeed, else a separate benchmark environment (the same
+# places ci/bench_engine.py looks; same torch build there). Its C++ op is compiled at run
+# time on first use (cached under ~/.cache/torch_extensions).
+_DS_CHILD = r"""
+import json, os, statistics, sys, time
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+n, reps, lr, b1, b2, eps, wd = int(sys.argv[1]), int(sys.argv[2]), *map(float, sys.argv[3:8])
+if len(sys.argv) > 8:
+    torch.set_num_threads(int(sys.argv[8]))
+param = torch.nn.Parameter(torch.randn(n))
+param.grad = torch.randn(n)
+opt = DeepSpeedCPUAdam([param], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
+                       adamw_mode=True)
+opt.step()
+times = []
+for _ in range(reps):
+    t0 = time.perf_counter()
+    opt.step()
+    times.append(time.perf_counter() - t0)
+import deepspeed
+print(json.dumps({"best_s": min(times), "median_s": statistics.median(times),
+                  "python": sys.executable, "deepspeed": deepspeed.__version__,
+                  "torch": torch.__version__, "threads": torch.get_num_threads()}))
+"""
+
+
+def _bench_pythons() -> list[str]:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    venv = os.environ.get("ZERO_CORE_BENCH_VENV") or os.path.join(repo, ".bench-venv")
+    found = [sys.executable]
+    for python in (os.environ.get("ZERO_CORE_BENCH_PYTHON"), os.path.join(venv, "bin", "python"),
+                   "/work/bench-venv/bin/python"):
+        if python and os.path.exists(python) and python not in found:
+            found.append(python)
+    return found
+
+
+def deepspeed_cpu_adam_row(n: int, reps: int):
+    """(row, None) with DeepSpeedCPUAdam's AdamW step time, or (None, why it was skipped)."""
+    import subprocess
+    tried = []
+    for python in _bench_pythons():
+        probe = subprocess.run([python, "-c", "import deepspeed"], capture_output=True,
+                               text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+        if probe.returncode:
+            tried.append(python)
+            continue
+        args = [str(n), str(reps), *(str(ADAM[k]) for k in ("lr", "beta1", "beta2", "eps",
+                                                            "weight_decay")),
+                str(torch.get_num_threads())]
+        proc = subprocess.run([python, "-c", _DS_CHILD, *args], capture_output=True, text=True,
+                              env=dict(os.environ, DS_ACCELERATOR="cpu"), timeout=1800)
+        if proc.returncode:
+            tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            return None, f"DeepSpeedCPUAdam: failed in {python} ({tail})"
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        name = f"DeepSpeedCPUAdam (adamw_mode, deepspeed {res['deepspeed']}, child process)"
+        return {"optimizer": name, "numel": n, "best_ms": res["best_s"] * 1e3,
+                "median_ms": res["median_s"] * 1e3, "python": res["python"]}, None
+    return None, (f"DeepSpeedCPUAdam: skipped, deepspeed is not importable in "
+                  f"{', '.join(tried)}; create a benchmark environment with "
+                  f"`python ci/bench_engine.py --setup-bench-venv`")
 
 
 def markdown(rows: list, cols: list[tuple[str, str, str]]) -> str:
