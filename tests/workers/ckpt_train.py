@@ -16,8 +16,10 @@ Actions:
 * ``["reshard_load", dir, stage]`` — load into an engine of this world size at *stage*,
   report the loaded fragments' values, train 10 more steps, and train an uninterrupted
   20-step run at this world size and stage for comparison.
-* ``["kill_save", dir, timeout]`` — save tag 'good'; then save tag 'bad' during which rank 1
-  SIGKILLs itself halfway through writing its shard; report what the others saw.
+* ``["kill_save", dir, timeout, mode]`` — save tag 'good'; then save tag 'bad' during which
+  rank 1 SIGKILLs (mode "kill") or SIGSTOPs ("stop") itself halfway through writing its
+  shard; report what the others saw.
+* ``["load_latest", dir]`` / ``["save_tag", dir, tag]`` — load what ``latest`` names / save.
 * ``["load_error", dir, variant]`` — try to load a damaged/mismatched checkpoint; report
   the error.
 * ``["save_big", dir, n_layers, width]`` — save a wider model without training (convert
@@ -267,11 +269,17 @@ def reshard_load(directory, stage, precision="fp32"):
     return out
 
 
-def kill_save(directory, timeout):
+def kill_save(directory, timeout, mode="kill"):
     model, engine = build(2, micro=global_micro())
+    if rt().rank == 1:
+        with open(os.path.join(directory + ".rank1.pid"), "w") as fh:
+            fh.write(str(os.getpid()))
     train_global(engine, 3)
     engine.save_checkpoint(directory, tag="good")
     good = params_of(engine)
+    if rt().rank == 0:  # known before the crash, whatever the launcher does afterwards
+        with open(os.path.join(directory, "good_params.json"), "w") as fh:
+            json.dump(good, fh)
     train_global(engine, 2)
     if rt().rank == 1:
         original = checkpoint_store.write_safetensors
@@ -282,7 +290,8 @@ def kill_save(directory, timeout):
             def hook(entry, seen=[0]):
                 seen[0] += 1
                 if seen[0] * 2 >= len(entries):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    # SIGKILL: a crash; SIGSTOP: a hang (the others must time out)
+                    os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
             return original(path, entries, metadata, on_tensor=hook)
         checkpoint_store.write_safetensors = dying_writer
     t0 = time.monotonic()
@@ -293,9 +302,28 @@ def kill_save(directory, timeout):
         outcome = {"error": str(exc), "type": type(exc).__name__}
     outcome.update(seconds=time.monotonic() - t0, timeout=timeout, good=good)
     report([outcome])
+    if mode == "stop" and rt().rank == 0:  # end the stopped peer: nothing else would
+        with open(directory + ".rank1.pid") as fh:
+            os.kill(int(fh.read()), signal.SIGKILL)
     sys.stdout.flush()
     # the peer is gone: leave without the collective shutdown
     os._exit(3 if outcome["error"] else 0)
+
+
+def load_latest(directory, stage=1):
+    """Load the checkpoint ``latest`` names; report it and the parameters."""
+    model, engine = build(stage)
+    path, client = engine.load_checkpoint(directory)
+    out = {"path": path, "params": params_of(engine), **counters(engine)}
+    engine.destroy()
+    return out
+
+
+def save_tag(directory, tag, stage=1):
+    model, engine = build(stage)
+    out = {"path": engine.save_checkpoint(directory, tag=tag)}
+    engine.destroy()
+    return out
 
 
 def load_error(directory, variant):
@@ -334,7 +362,8 @@ def save_big(directory, n_layers, width):
 
 ACTIONS = {"resume_first": resume_first, "resume_second": resume_second,
            "reshard_save": reshard_save, "reshard_load": reshard_load, "kill_save": kill_save,
-           "load_error": load_error, "save_big": save_big}
+           "load_error": load_error, "save_big": save_big, "load_latest": load_latest,
+           "save_tag": save_tag}
 
 
 def main():
