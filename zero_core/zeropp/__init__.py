@@ -1,16 +1,27 @@
-"""ZeRO++ on top of stage 3: qwZ, hpZ and qgZ (DESIGN §4).
+"""ZeRO++ on top of stage 3 (DESIGN §4): less inter-node traffic for the same training.
 
-build_zeropp(engine, units) returns None while no ZeRO++ key is switched on.
+Where things are:
+
+- wire.py — how a quantized tensor (payload + fp32 block scales) is packed into byte slots;
+- qwz.py — qwZ: a fetch unit's all-gather as int8 slots, dequantized on arrival;
+- hpz.py — hpZ: secondary partitions inside the node, so re-gathers stay in the node;
+- fetch.py — the gather strategy that picks among them for each gather;
+- qgz.py — qgZ: gradient reduction as a two-hop int4 all-to-all, with its fallbacks;
+- handles.py — in-flight work (a collective plus what runs after it);
+- strategies.py — ZeroPlusPlus, what the stage-3 engine talks to;
+- volume.py — inter-node bytes per rank and step of ZeRO-3 and ZeRO++ (formulas).
+
+Configuration (stage 3 only): ``zero_optimization.zero_quantized_weights``,
+``zero_quantized_nontrainable_weights``, ``zero_hpz_partition_size`` (normally the ranks per
+node), ``zero_quantized_gradients``.
 """
 from __future__ import annotations
 
 
 def build_zeropp(engine, units):
-    """The ZeRO++ strategies for a stage-3 *engine*, or None when none is configured."""
-    zc = engine.config.zero_optimization
-    if not (getattr(zc, "zero_quantized_weights", False)
-            or getattr(zc, "zero_quantized_nontrainable_weights", False)
-            or getattr(zc, "zero_quantized_gradients", False)
-            or getattr(zc, "zero_hpz_partition_size", 1) > 1):
+    """The ZeRO++ strategies for a stage-3 *engine* and its fetch *units*, or None when no
+    ZeRO++ key is switched on. Collective (hpZ and qgZ create groups)."""
+    if not engine.config.zero_optimization.zeropp_enabled:
         return None
-    raise NotImplementedError("ZeRO++ is being built")
+    from .strategies import ZeroPlusPlus
+    return ZeroPlusPlus(engine, units)
