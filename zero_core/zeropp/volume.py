@@ -34,32 +34,36 @@ def norm_allreduce_bytes(world_size: int) -> int:
     return 2 * (world_size - 1) * 8 // world_size
 
 
-def zero3_inter_node_bytes(unit_numels: list[int], world_size: int, elem_bytes: int) -> float:
-    """ZeRO-3 per rank and step: for each unit of P padded elements, two all-gathers of
-    P/N elements in and one reduce-scatter of P elements, *elem_bytes* each, all on the
-    world group (which spans nodes), plus the norm all-reduce."""
+def zero3_inter_node_bytes(forward: list[int], backward: list[int], reduced: list[int],
+                           world_size: int, elem_bytes: int) -> int:
+    """ZeRO-3 per rank and step: an all-gather of P/N elements for every unit gathered in
+    forward and for every unit gathered again in backward (padded sizes P in *forward* and
+    *backward*), a reduce-scatter of P elements per reduced unit, *elem_bytes* each, all on
+    the world group (which spans nodes); plus the norm all-reduce."""
     n = world_size
-    total = 0
-    for p in unit_numels:
-        total += 2 * (n - 1) * (p // n) * elem_bytes      # forward + backward all-gather
-        total += (n - 1) * p * elem_bytes // n            # gradient reduce-scatter
+    total = sum((n - 1) * (p // n) * elem_bytes for p in list(forward) + list(backward))
+    total += sum((n - 1) * p * elem_bytes // n for p in reduced)
     return total + norm_allreduce_bytes(n)
 
 
-def zeropp_inter_node_bytes(unit_numels: list[int], world_size: int, ranks_per_node: int,
-                            qwz_block: int = QWZ_BLOCK, qgz_block: int = QGZ_BLOCK) -> float:
+def zeropp_inter_node_bytes(forward: list[int], reduced: list[int], world_size: int,
+                            ranks_per_node: int, qwz_block: int = QWZ_BLOCK,
+                            qgz_block: int = QGZ_BLOCK) -> int:
     """ZeRO++ (qwZ + hpZ + qgZ) per rank and step: the forward's world-wide all-gather of
-    int8 slots; backward gathers inside the node (0 inter-node bytes); qgZ's hop 2 among
-    the K nodes, (K-1) int4 slots of each unit's padded chunk; plus the norm all-reduce.
-    Units whose chunk is below one qgZ block would fall back (not modelled: pass units
-    that do not)."""
+    an int8 slot per unit in *forward*; backward gathers inside the node (0 inter-node
+    bytes); for every unit in *reduced*, qgZ's hop 2 among the K nodes, (K-1) int4 slots
+    of its chunk padded to whole blocks; plus the norm all-reduce. (Units whose chunk is
+    below one qgZ block fall back to the reduce-scatter: do not pass those.)"""
     n, k = world_size, world_size // ranks_per_node
-    total = 0
-    for p in unit_numels:
-        s = p // n
-        total += (n - 1) * slot_bytes(s, QWZ_BITS, qwz_block)
-        total += (k - 1) * slot_bytes(_round_up(s, qgz_block), QGZ_BITS, qgz_block)
+    total = sum((n - 1) * slot_bytes(p // n, QWZ_BITS, qwz_block) for p in forward)
+    total += sum((k - 1) * slot_bytes(_round_up(p // n, qgz_block), QGZ_BITS, qgz_block)
+                 for p in reduced)
     return total + norm_allreduce_bytes(n)
+
+
+def paper_bytes(model_bytes: float) -> dict:
+    """The paper's per-rank cross-node volumes for a 16-bit model of *model_bytes*."""
+    return {"zero3": 3.0 * model_bytes, "zeropp": 0.75 * model_bytes}
 
 
 def paper_ratio() -> float:
