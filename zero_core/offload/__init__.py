@@ -1,0 +1,27 @@
+"""ZeRO-Offload and ZeRO-Infinity: optimizer states and parameters outside the device.
+
+Where things are:
+
+- errors.py — :class:`OffloadError` (every disk problem, naming the path and the fix);
+- cleanup.py — the per-rank swap directory, removed at exit (also on exceptions and
+  SIGTERM) and when a later run finds it left behind by a killed process;
+- swap_file.py — one swap file: header (magic, dtype, length), aligned region reads and
+  writes (``O_DIRECT`` where the file system has it), a CRC-32 per region verified on read;
+- subgroups.py — plain functions: cutting a rank's partition into sub-groups and a
+  sub-group into per-bucket pieces;
+- host.py — :class:`HostStateStore`: master weights and optimizer states in (pinned)
+  host memory (``offload_optimizer.device: cpu``);
+- nvme.py — :class:`NvmeStateStore`: the same states in swap files, streamed through
+  ``buffer_count`` sub-group buffers with read-ahead and write-behind worker threads;
+- optimizer.py — :class:`OffloadedOptimizer`: the sub-grouped step on the CPU kernels,
+  gradients streamed to the host and parameters streamed back;
+- params.py — ``offload_param`` for stage 3: parameter partitions in host memory or in
+  files, fetched per fetch unit (with read-ahead along the recorded order) in the
+  stage-3 gather path.
+
+How the engines use it: ``ZeroEngine`` builds :class:`OffloadedOptimizer` instead of the
+``PartitionedOptimizer`` when ``zero_optimization.offload_optimizer.device`` is not
+``"none"``; the stage-3 engine asks :func:`zero_core.offload.params.build_param_offload`
+for its group buffers and for the gatherer's partition source.
+"""
+from .errors import OffloadError  # noqa: F401

@@ -1,0 +1,218 @@
+"""The offloaded optimizer step (ZeRO-Offload / ZeRO-Infinity), stages 1-3.
+
+:class:`OffloadedOptimizer` is the :class:`~zero_core.partitioned_optimizer.PartitionedOptimizer`
+with the fp32 master weights and the optimizer states moved to a store in host memory
+(host.py) or in swap files (nvme.py). It is built by the engine instead of the partitioned
+optimizer when ``zero_optimization.offload_optimizer.device`` is ``cpu`` or ``nvme``.
+
+One step, for every sub-group ``s`` of this rank's partition (subgroups.py), in order:
+
+1. ``store.acquire(s)``: master and states of ``s`` in host memory (NVMe: read ahead
+   while the previous sub-groups were stepped);
+2. the reduced gradient of ``s`` is copied to a host fp32 buffer, piece by bucket piece,
+   and multiplied by ``grad_factor`` (loss-scale × clipping) — the same operations, in
+   the same dtype, as the on-device step;
+3. the fused *CPU* kernel (the ``"cpu"`` kernel set of the registry, whatever the
+   accelerator) updates master and states;
+4. the new values go back to the device in the compute dtype: at stages 1 and 2 into the
+   send buffer of each bucket, whose all-gather starts as soon as the bucket's last piece
+   is written; at stage 3 into the parameter partition (or the parameter offload store);
+5. ``store.release(s)`` (NVMe: written behind, on a worker thread).
+
+Every update is element-wise and every piece starts on an alignment boundary, so the
+offloaded step is bit-identical to the on-device step with the same kernels (tested).
+
+Checkpoints: ``flat_state`` and each group's ``master`` are the store's flat buffers (host
+tensors, or memory-mapped swap files), so ``engine_checkpoint.zero_fragments`` /
+``stage3_fragments`` save and load offloaded training unchanged.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from .. import registry
+from ..buffer_pool import BufferPool
+from ..errors import ConfigError, ZeroCoreError
+from ..partitioned_optimizer import PartitionedOptimizer
+from .cleanup import rank_directory
+from .host import HostStateStore
+from .nvme import NvmeStateStore
+from .subgroups import plan_subgroups
+
+MASTER = "master"
+
+
+class OffloadedOptimizer(PartitionedOptimizer):
+    """Steps the partitions of *buffers* on the CPU from a host or NVMe *store* kind (see
+    module docstring). *param_sink* (stage 3 parameter offload) receives the updated
+    parameter values instead of the partitions in ``param_buf``."""
+
+    def __init__(self, hyper_groups: list[dict], rule, buffers, comm, stage: int, ledger,
+                 zero_grad_fn, offload, sub_group_size: int, accelerator, rank: int,
+                 param_sink=None, max_inflight: int = 4):
+        torch.optim.Optimizer.__init__(self, hyper_groups, rule.default_dict())
+        if rule.kind == "torch":
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer: the offloaded optimizer runs the fused "
+                f"CPU Adam/AdamW/SGD kernels; {rule.torch_class.__name__} has none. Use Adam, "
+                f"AdamW or SGD, or set offload_optimizer.device to 'none'")
+        if stage not in (1, 2, 3):
+            raise ConfigError(f"zero_optimization.offload_optimizer needs stage 1, 2 or 3 "
+                              f"(got {stage})")
+        self.rule, self.buffers, self.comm, self.stage = rule, buffers, comm, stage
+        self.ledger, self.max_inflight = ledger, max_inflight
+        self._zero_grad_fn = zero_grad_fn
+        self.grad_factor = 1.0
+        self.step_counts = [0] * len(buffers)
+        self._inner = None
+        self.param_sink = param_sink
+        # the CPU step: the fused CPU kernels, whatever the accelerator computes with
+        self.kernels = registry.load().kernel_set("cpu")
+        momentum = any(float(g.get("momentum", 0.0)) for g in self.param_groups)
+        self.state_names = tuple(n for n in rule.state_names
+                                 if n != "momentum_buffer" or momentum)
+        names = (MASTER,) + self.state_names
+        layouts = [gb.layout if gb is not None else None for gb in buffers]
+        self.subgroups = plan_subgroups(layouts, sub_group_size)
+        largest = max((sg.numel for sg in self.subgroups), default=1)
+        if offload.device == "cpu":
+            self.store = HostStateStore(layouts, names, rank, largest, accelerator,
+                                        offload.pin_memory)
+        else:
+            directory = rank_directory(offload.nvme_path, rank,
+                                       "zero_optimization.offload_optimizer.nvme_path")
+            self.store = NvmeStateStore(layouts, names, rank, self.subgroups, directory,
+                                        offload.buffer_count, accelerator, offload.pin_memory)
+        self._initialize_master()
+        self.flat_state = [{} if gb is None else
+                           {n: self.store.flat(j, n) for n in self.state_names}
+                           for j, gb in enumerate(buffers)]
+        present = [gb for gb in buffers if gb is not None]
+        self._send = None
+        if stage in (1, 2) and present:
+            max_shard = max(max(gb.layout.bucket_sizes) // gb.world_size for gb in present)
+            device = present[0].param_buf.data.device
+            self._send = BufferPool(max_shard, present[0].param_buf.dtype, device,
+                                    lambda t: ledger.track("communication_buffers", t))
+
+    # ---- construction ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _initialize_master(self):
+        """Copy each group's fp32 master (or fp32 parameters) into the store, then point the
+        group (and stage-3 units) at the store's master so nothing else keeps a copy."""
+        by_group: dict[int, list] = {}
+        for sg in self.subgroups:
+            by_group.setdefault(sg.group, []).append(sg)
+        for j, gb in enumerate(self.buffers):
+            if gb is None:
+                continue
+            for sg in by_group.get(j, []):
+                def fill(dst, sg=sg, gb=gb):
+                    for p in sg.pieces:
+                        src = gb.master_bucket(p.bucket).narrow(0, p.shard_offset, p.numel)
+                        dst.narrow(0, p.sub_offset, p.numel).copy_(src)
+                if isinstance(self.store, NvmeStateStore):
+                    self.store.write_initial(sg, MASTER, fill)
+                else:
+                    fill(self.store.acquire(sg)[MASTER])
+                    self.store.release(sg)
+            gb.master = self.store.flat(j, MASTER)
+            for k, u in enumerate(getattr(gb, "units", ())):
+                # stage 3: GatheredParameters write-backs reach a host master directly
+                u.master_part = (gb.master.bucket(k) if isinstance(self.store, HostStateStore)
+                                 else None)
+
+    # ---- the step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Apply one update from the reduced gradients (called by ``engine.step()``)."""
+        if closure is not None:
+            raise ZeroCoreError("OffloadedOptimizer.step() takes no closure: the engine "
+                                "computes gradients with engine.backward(loss)")
+        for j, gb in enumerate(self.buffers):
+            if gb is not None:
+                self.step_counts[j] += 1
+        store = self.store
+        store.begin(self.subgroups)
+        inflight: deque = deque()   # all-gathers launched (stages 1-2)
+        sends: dict = {}            # (group, bucket) -> send buffer being filled
+        for sg in self.subgroups:
+            gb = self.buffers[sg.group]
+            states = store.acquire(sg)
+            grad = store.grad_buffer(sg.numel)
+            for p in sg.pieces:
+                src = gb.reduced_grad_bucket(p.bucket).narrow(0, p.shard_offset, p.numel)
+                grad.narrow(0, p.sub_offset, p.numel).copy_(src)
+            if self.grad_factor != 1.0:
+                grad.mul_(self.grad_factor)
+            self._kernel_subgroup(sg.group, states, grad)
+            self._write_parameters(gb, sg, states[MASTER], sends, inflight)
+            store.release(sg)
+        self._drain(inflight)
+        if self.param_sink is not None:
+            self.param_sink.flush()
+        store.finish()
+
+    def _kernel_subgroup(self, j: int, states: dict, grad: torch.Tensor) -> None:
+        hp = self.param_groups[j]
+        t = self.step_counts[j]
+        master = states[MASTER]
+        if self.rule.kind == "adam":
+            beta1, beta2 = hp["betas"]
+            self.kernels.adam_step(
+                master, grad, states["exp_avg"], states["exp_avg_sq"], lr=float(hp["lr"]),
+                beta1=float(beta1), beta2=float(beta2), eps=float(hp["eps"]),
+                weight_decay=float(hp["weight_decay"]), step=t, adamw=self.rule.adamw,
+                bias_correction=bool(hp.get("bias_correction", self.rule.bias_correction)))
+        else:
+            momentum = float(hp.get("momentum", 0.0))
+            self.kernels.sgd_step(
+                master, grad, states.get("momentum_buffer") if momentum else None,
+                lr=float(hp["lr"]), momentum=momentum,
+                dampening=float(hp.get("dampening", 0.0)),
+                weight_decay=float(hp.get("weight_decay", 0.0)),
+                nesterov=bool(hp.get("nesterov", False)), first_step=t == 1)
+
+    def _write_parameters(self, gb, sg, master: torch.Tensor, sends: dict, inflight) -> None:
+        """Stream the updated values of *sg* back in the compute dtype (a rounding copy is
+        what the kernels' ``param_lowp`` does too)."""
+        for p in sg.pieces:
+            values = master.narrow(0, p.sub_offset, p.numel)
+            if self.stage == 3:
+                if self.param_sink is not None:
+                    self.param_sink.write_piece(gb, p.bucket, p.shard_offset, values)
+                else:
+                    gb.param_buf.bucket(p.bucket).narrow(0, p.shard_offset, p.numel).copy_(values)
+                continue
+            key = (sg.group, p.bucket)
+            send = sends.get(key)
+            if send is None:
+                send = sends[key] = self._send.take(gb.layout.shard_size(p.bucket),
+                                                    lambda: self._finish_one(inflight))
+            send.narrow(0, p.shard_offset, p.numel).copy_(values)
+            if p.shard_offset + p.numel == gb.layout.shard_size(p.bucket):
+                del sends[key]
+                self._launch_gather(gb, p.bucket, send, inflight)
+
+    # ---- reports and teardown -----------------------------------------------------------------
+    def offload_report(self) -> dict:
+        """Where the states are, host bytes held, swap bytes read and written so far."""
+        rep = self.store.report()
+        rep["subgroups"] = len(self.subgroups)
+        return rep
+
+    def close(self) -> None:
+        """Stop the swap workers and close the files (the directory is removed at exit)."""
+        self.store.close()
+
+
+def build_offloaded_optimizer(engine, hyper_groups, rule) -> OffloadedOptimizer:
+    """The engine's optimizer when ``offload_optimizer.device`` is cpu or nvme."""
+    zc = engine.config.zero_optimization
+    return OffloadedOptimizer(
+        hyper_groups, rule, engine._buffers, engine.comm, engine.stage, engine.memory_ledger,
+        engine.zero_grad, zc.offload_optimizer, zc.sub_group_size,
+        engine.runtime.accelerator, engine.global_rank,
+        param_sink=getattr(engine, "param_offload", None))
