@@ -67,9 +67,14 @@ class ZeroEngine(torch.nn.Module):
         self._build_buffers(model, groups)
 
         hyper_groups = optimizer.param_groups if optimizer is not None else groups
-        self.optimizer = PartitionedOptimizer(
-            hyper_groups, rule, self._buffers, runtime.kernels, self.comm, self.stage,
-            self.memory_ledger, self.zero_grad)
+        if config.zero_optimization.offload_optimizer.enabled:
+            # master weights and optimizer states in host memory or files (zero_core/offload)
+            from .offload.optimizer import build_offloaded_optimizer
+            self.optimizer = build_offloaded_optimizer(self, hyper_groups, rule)
+        else:
+            self.optimizer = PartitionedOptimizer(
+                hyper_groups, rule, self._buffers, runtime.kernels, self.comm, self.stage,
+                self.memory_ledger, self.zero_grad)
         self._rule = rule
         self.reducer = self._build_reducer()
         self.reducer.register_hooks()
@@ -278,7 +283,9 @@ class ZeroEngine(torch.nn.Module):
                                             self.config.precision, k)
             formula["model_states"] = sum(formula.values())
         acc = self.runtime.accelerator
+        offload = getattr(self.optimizer, "offload_report", None)
         return {"ledger": self.memory_ledger.report(), "formula": formula,
+                **({"offload": offload()} if offload is not None else {}),
                 "num_parameters": self.num_parameters, "padding_elements": self.padding_elements,
                 "accelerator": {"allocated": acc.memory_allocated(),
                                 "peak": acc.max_memory_allocated()}}
