@@ -1,0 +1,112 @@
+"""One rank of the emulated-cluster benchmark with the real stage-3 engine: ZeRO-3 against
+ZeRO-3 + ZeRO++ (qwZ + hpZ + qgZ) training the example GPT (examples/gpt.py).
+
+    python ci/bench_cluster.py --worker ci/bench_workers/zeropp_engine.py \\
+        --variants stage3,stage3-zeropp --worker-args "--model bench --micro 2"
+
+Variants: ``stage3`` (plain stage 3) and ``stage3-zeropp`` (zero_quantized_weights,
+zero_hpz_partition_size = ranks per node, zero_quantized_gradients). Both train in bf16
+with AdamW on the demo's text (examples/text_data.py), same seeds and batches.
+
+``stage3_max_reuse_distance`` defaults to 0 here: with DeepSpeed's default (1e9) and a
+model that fits the live window, stage 3 keeps every unit gathered from forward to
+backward, so neither scheme re-gathers in backward; ZeRO++ targets models too large for
+that, which reuse distance 0 emulates (only a unit used again immediately stays).
+
+Reports, in the protocol of ci/bench_cluster.py: ``step_times_s`` (timed steps, each
+started after a barrier, so that a step's time is the slowest rank's), ``ledger`` (zero-core
+ledger difference over the timed steps), ``link_tx_bytes`` on local rank 0 (the node's
+veth counter over the timed steps), plus the losses, parameter count and the memory
+report's ZeRO++ section.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
+
+import zero_core  # noqa: E402
+from comm_volume import link_tx_bytes  # noqa: E402
+from gpt import build_model, lm_loss  # noqa: E402
+from text_data import GlobalBatchSampler, load_stdlib_text  # noqa: E402
+from zero_core.runtime import shutdown  # noqa: E402
+from zero_core.testing import report  # noqa: E402
+
+VARIANTS = ("stage3", "stage3-zeropp")
+
+
+def engine_config(variant: str, a, ranks_per_node: int) -> dict:
+    zero = {"stage": 3, "stage3_max_reuse_distance": a.max_reuse,
+            "stage3_param_persistence_threshold": a.persistence}
+    if variant == "stage3-zeropp":
+        zero.update(zero_quantized_weights=True, zero_hpz_partition_size=ranks_per_node,
+                    zero_quantized_gradients=True)
+    return {"train_micro_batch_size_per_gpu": a.micro, "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.0}},
+            "zero_optimization": zero}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--model", default="bench", help="examples/gpt.py preset (default bench)")
+    p.add_argument("--micro", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=None,
+                   help="tokens per sequence (default: the model's context length)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-reuse", type=int, default=0, help="stage3_max_reuse_distance")
+    p.add_argument("--persistence", type=int, default=100_000,
+                   help="stage3_param_persistence_threshold")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    a = p.parse_args()
+
+    ranks_per_node = int(os.environ.get("ZERO_CORE_RANKS_PER_NODE") or
+                         os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    model = build_model(a.model, seed=1234)
+    engine, *_ = zero_core.initialize(model=model,
+                                      config=engine_config(a.variant, a, ranks_per_node))
+    comm = engine.comm
+    tokens = load_stdlib_text(max_bytes=4 << 20).train
+    seq = a.seq or model.cfg.block_size
+    sampler = GlobalBatchSampler(tokens, seq, a.micro, engine.world_size, seed=0)
+
+    def step(i: int) -> float:
+        x, y = sampler.rank_batch(i, engine.global_rank)
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+
+    losses = [step(i) for i in range(a.warmup)]
+    comm.barrier()
+    ledger0, link0 = comm.ledger.snapshot(), link_tx_bytes()
+    times = []
+    for i in range(a.warmup, a.warmup + a.steps):
+        comm.barrier()
+        start = time.perf_counter()
+        losses.append(step(i))
+        times.append(time.perf_counter() - start)
+    comm.barrier()
+    link1 = link_tx_bytes()
+    report({"rank": comm.rank, "variant": a.variant, "model": a.model,
+            "params": engine.num_parameters, "world_size": comm.world_size,
+            "ranks_per_node": comm.topology.ranks_per_node, "step_times_s": times,
+            "ledger": comm.ledger.difference(comm.ledger.snapshot(), ledger0),
+            "link_tx_bytes": (link1 - link0 if link0 is not None and link1 is not None
+                              and comm.launch.local_rank == 0 else None),
+            "losses": losses, "zeropp": engine.memory_report().get("zeropp")})
+    engine.destroy()
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
