@@ -97,14 +97,19 @@ class Stage3Engine(ZeroEngine):
             return flat
 
         ledger = self.memory_ledger
+        # offload_param (zero_core/offload/params.py): partitions in host memory or files
+        from ..offload.params import build_param_offload
+        self.param_offload = build_param_offload(self)
+        make_buffers = (self.param_offload.group_buffers if self.param_offload is not None
+                        else Stage3GroupBuffers)
         self._buffers = []
         for g in range(len(groups)):
             mine = [u for u in units if u.group == g]
-            self._buffers.append(None if not mine else Stage3GroupBuffers(
+            self._buffers.append(None if not mine else make_buffers(
                 mine, True, dtype, self.device, self.global_rank, self.world_size, ledger,
                 full_values))
         frozen = [u for u in units if u.group == FROZEN]
-        self._frozen_buffers = (Stage3GroupBuffers(
+        self._frozen_buffers = (make_buffers(
             frozen, False, dtype, self.device, self.global_rank, self.world_size, ledger,
             full_values) if frozen else None)
         if dtype != torch.float32:
@@ -119,12 +124,15 @@ class Stage3Engine(ZeroEngine):
         from ..zeropp import build_zeropp
         self.zeropp = build_zeropp(self, units)
         self.gatherer = UnitGatherer(self.comm, dtype, self.device,
-                                     strategy=self.zeropp.fetch if self.zeropp else None)
+                                     strategy=self.zeropp.fetch if self.zeropp else None,
+                                     part_source=self.param_offload)
         self.coordinator = ParamCoordinator(
             units, self.gatherer, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
             zc.stage3_max_reuse_distance)
         for u in units:
             u.owner = self.coordinator
+        if self.param_offload is not None:
+            self.param_offload.attach(self.coordinator)
         unit_by_param = {id(p): u for u in units for p in u.params}
         names = {m: (n or type(model).__name__) for n, m in model.named_modules()}
         self.module_hooks = ModuleHooks(model, self.coordinator, module_units,

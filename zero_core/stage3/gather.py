@@ -35,9 +35,12 @@ class UnitGatherer:
     """Gathers and releases fetch units over *comm* (world group)."""
 
     def __init__(self, comm: Communicator, compute_dtype: torch.dtype, device: torch.device,
-                 strategy=None):
+                 strategy=None, part_source=None):
         self.comm, self.dtype, self.device = comm, compute_dtype, device
         self.strategy = strategy   # see the module docstring; None: plain all-gather
+        # offload_param (zero_core/offload/params.py): fetch(u) gives the partition to
+        # gather from, fetched(u) frees it, write_unit(u, values) stores modified values
+        self.part_source = part_source
         self.for_compute = False
         self.live_numel = 0
         self.peak_live_numel = 0
@@ -66,6 +69,15 @@ class UnitGatherer:
             return
         if self.strategy is not None:
             full, u.handle = self.strategy.launch(u, self.for_compute)
+        elif self.part_source is not None:
+            part = self.part_source.fetch(u)
+            full = torch.empty(u.padded_numel, dtype=part.dtype, device=self.device)
+            if self.comm.world_size == 1:
+                full.copy_(part)
+                u.handle = None
+                self.part_source.fetched(u)
+            else:
+                u.handle = self.comm.all_gather_into(full, part, async_op=True)
         elif self.comm.world_size == 1:
             full = torch.empty(u.padded_numel, dtype=u.part.dtype, device=u.part.device)
             full.copy_(u.part)
@@ -87,6 +99,8 @@ class UnitGatherer:
         if u.handle is not None:
             u.handle.wait()
             u.handle = None
+        if self.part_source is not None:
+            self.part_source.fetched(u)
         full = u.full
         for p, off in zip(u.params, u.offsets):
             meta = pp.meta_of(p)
@@ -109,6 +123,8 @@ class UnitGatherer:
         if u.handle is not None:
             u.handle.wait()
             u.handle = None
+        if self.part_source is not None:
+            self.part_source.fetched(u)
         for p in u.params:
             pp.release(p)
         u.full = None
@@ -123,6 +139,9 @@ class UnitGatherer:
             return
         shard = u.padded_numel // self.comm.world_size
         mine = u.full.narrow(0, self.comm.rank * shard, shard)
-        u.part.copy_(mine)
+        if self.part_source is not None:
+            self.part_source.write_unit(u, mine)
+        else:
+            u.part.copy_(mine)
         if u.master_part is not None:
             u.master_part.copy_(mine)
