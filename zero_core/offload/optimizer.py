@@ -201,6 +201,8 @@ class OffloadedOptimizer(PartitionedOptimizer):
         """Where the states are, host bytes held, swap bytes read and written so far."""
         rep = self.store.report()
         rep["subgroups"] = len(self.subgroups)
+        if self.param_sink is not None:
+            rep["params"] = self.param_sink.report()
         return rep
 
     def close(self) -> None:

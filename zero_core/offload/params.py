@@ -1,0 +1,400 @@
+"""``offload_param`` for stage 3: parameter partitions in host memory or in swap files.
+
+Stage 3 keeps, per rank, its partition of every fetch unit (stage3/units.py) in the
+compute dtype and all-gathers a unit around each use. With parameter offload:
+
+* ``device: cpu`` — the partitions live in host memory (pinned where the accelerator
+  pins). On the CPU accelerator that is where they are anyway; on a device, every gather
+  first copies the unit's partition to the device (:meth:`ParamOffload.fetch`).
+* ``device: nvme`` — the partitions live in one swap file per parameter group (one region
+  per unit, CRC-checked; swap_file.py). Units are read on demand into ``buffer_count``
+  staging buffers of ``buffer_size`` elements, and *read ahead* along the execution order
+  stage 3 recorded (stage3/prefetch.py), on a worker thread, so that the disk works while
+  the previous modules compute. Up to ``max_in_cpu`` partition elements (the first units)
+  are also kept in host memory and never read from disk. After the optimizer step, each
+  unit's new values are written (write-behind) and read-aheads are dropped (stale).
+
+The gatherer (stage3/gather.py) calls ``fetch(u)`` for the partition to all-gather from,
+``fetched(u)`` when that collective finished (the staging buffer is free again), and
+``write_unit(u, values)`` when GatheredParameters modified the unit. The offloaded
+optimizer calls ``write_piece`` with updated fp32 values and ``flush`` at the end of the
+step. Parameter offload needs the optimizer offloaded too (the master weights must not be
+the parameter partitions), and is not combined with ZeRO++ (which gathers from ``u.part``
+itself).
+
+Checkpoints read and write ``param_buf`` as a memory map of the file (nvme), like the
+optimizer states; the CRCs and host copies are refreshed before the next fetch.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..errors import ConfigError
+from ..flat_buffer import FlatBuffer
+from ..partition import alignment_for
+from ..stage3.buffers import Stage3GroupBuffers
+from ..stage3.units import unit_layout
+from .cleanup import rank_directory
+from .swap_file import SwapFile, aligned_empty
+
+KEY = "zero_optimization.offload_param"
+
+
+class _MappedParams(FlatBuffer):
+    """A group's parameter partitions as a FlatBuffer backed by its swap file."""
+
+    def __init__(self, layout, rank, store: "ParamOffload", group_id: int):
+        self.layout, self.kind, self.rank = layout, "partition", rank
+        self._store, self._group = store, group_id
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._store.mapped(self._group)
+
+
+class ParamOffload:
+    """Where stage 3's parameter partitions live when ``offload_param`` is on."""
+
+    def __init__(self, cfg, compute_dtype: torch.dtype, device: torch.device, rank: int,
+                 world_size: int, accelerator):
+        self.cfg, self.dtype, self.device = cfg, compute_dtype, device
+        self.rank, self.world_size, self.accelerator = rank, world_size, accelerator
+        self.nvme = cfg.device == "nvme"
+        self.directory = rank_directory(cfg.nvme_path, rank, f"{KEY}.nvme_path") if self.nvme else None
+        self.files: list[SwapFile] = []
+        self._group_of: dict[int, tuple[int, int]] = {}   # id(unit) -> (file, region)
+        self._cache: dict[int, torch.Tensor] = {}         # id(unit) -> host copy (max_in_cpu)
+        self._cached_numel = 0
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []
+        self._ready: OrderedDict = OrderedDict()          # unit index -> (buffer, future)
+        self._inflight: OrderedDict = OrderedDict()       # unit index -> (unit, buffer)
+        self._writes: dict[int, Future] = {}              # id(unit) -> future
+        self._assembling: dict[int, torch.Tensor] = {}    # id(unit) -> staging buffer
+        self._mapped: set[int] = set()
+        self._stepping = False
+        self.coordinator = None
+        self.units_by_index: dict = {}
+        self.reads = self.read_ahead_hits = 0
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="zero-core-param-swap") if self.nvme else None
+
+    # ---- construction ---------------------------------------------------------------------
+    def group_buffers(self, units, trainable, compute_dtype, device, rank, world_size, ledger,
+                      full_values):
+        """Stage3GroupBuffers whose parameter partitions live here (same signature)."""
+        return OffloadedStage3GroupBuffers(units, trainable, compute_dtype, device, rank,
+                                           world_size, ledger, full_values, self)
+
+    def add_group(self, gb: "OffloadedStage3GroupBuffers") -> None:
+        """Create the storage of one group's partitions (called by the group buffers)."""
+        lay = gb.layout
+        for k, u in enumerate(gb.units):
+            self.units_by_index[u.index] = u
+        if not self.nvme:
+            gb.param_buf = FlatBuffer(lay, "partition", self.dtype, torch.device("cpu"), self.rank)
+            if self.cfg.pin_memory:
+                gb.param_buf.data = self.accelerator.pin_memory(gb.param_buf.data)
+            for k, u in enumerate(gb.units):
+                u.part = gb.param_buf.bucket(k)
+            return
+        gid = len(self.files)
+        bounds = [(lay.partition_start(k), lay.shard_size(k)) for k in range(lay.num_buckets)]
+        path = f"{self.directory}/params.group{gid}.swap"
+        self.files.append(SwapFile(path, self.dtype, lay.partition_numel, bounds, direct=False))
+        biggest = max(n for _, n in bounds)
+        if biggest > self.cfg.buffer_size:
+            raise ConfigError(
+                f"config key '{KEY}.buffer_size' = {self.cfg.buffer_size}: a fetch unit's "
+                f"partition has {biggest} elements and must fit in one staging buffer; raise "
+                f"buffer_size to at least {biggest} (or lower stage3_prefetch_bucket_size / "
+                f"reduce_bucket_size so that units are smaller)")
+        while len(self._buffers) < self.cfg.buffer_count:
+            t = aligned_empty(self.cfg.buffer_size, self.dtype)
+            if self.cfg.pin_memory:
+                t = self.accelerator.pin_memory(t)
+            self._buffers.append(t)
+            self._free.append(t)
+        gb.param_buf = _MappedParams(lay, self.rank, self, gid)
+        placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        for k, u in enumerate(gb.units):
+            self._group_of[id(u)] = (gid, k)
+            u.part = placeholder    # dtype/device only: the values are in the file
+            if self._cached_numel + bounds[k][1] <= self.cfg.max_in_cpu:
+                self._cache[id(u)] = torch.zeros(bounds[k][1], dtype=self.dtype)
+                self._cached_numel += bounds[k][1]
+
+    def write_initial(self, u, values: torch.Tensor) -> None:
+        """Store unit *u*'s first partition values (any float dtype), synchronously."""
+        if not self.nvme:
+            u.part.copy_(values)
+            return
+        self._write_now(u, values)
+
+    def attach(self, coordinator) -> None:
+        """Read ahead along *coordinator*'s recorded execution order."""
+        self.coordinator = coordinator
+
+    # ---- the gather path ------------------------------------------------------------------
+    def fetch(self, u) -> torch.Tensor:
+        """Unit *u*'s partition on the device, to all-gather from; ``fetched(u)`` must
+        follow once the collective is complete."""
+        if not self.nvme:
+            if u.part.device == self.device:
+                return u.part
+            return u.part.to(self.device, non_blocking=self.cfg.pin_memory)
+        self._reseal()
+        if self._stepping:
+            self.flush()
+        cached = self._cache.get(id(u))
+        if cached is not None:
+            return cached.to(self.device)
+        entry = self._ready.pop(u.index, None)
+        if entry is None:
+            buf = self._take_buffer()
+            entry = (buf, self._io.submit(self._read, u, buf))
+        else:
+            self.read_ahead_hits += 1
+        buf, future = entry
+        try:
+            part = future.result()
+        except BaseException:
+            self._free.append(buf)
+            raise
+        self._inflight[u.index] = (u, buf)
+        self._read_ahead(u)
+        return part if self.device.type == "cpu" else part.to(self.device)
+
+    def fetched(self, u) -> None:
+        """The gather of *u* completed: its staging buffer is free again."""
+        entry = self._inflight.pop(u.index, None)
+        if entry is not None:
+            self._free.append(entry[1])
+
+    def write_unit(self, u, values: torch.Tensor) -> None:
+        """GatheredParameters modified *u*: store this rank's new partition values."""
+        if not self.nvme:
+            u.part.copy_(values)
+            return
+        self._drop_ready()
+        self._write_now(u, values)
+
+    def _read(self, u, buf: torch.Tensor) -> torch.Tensor:
+        pending = self._writes.get(id(u))
+        if pending is not None:
+            pending.result()
+        gid, k = self._group_of[id(u)]
+        self.reads += 1
+        return self.files[gid].read(k, buf)
+
+    def _read_ahead(self, current) -> None:
+        """Fill free staging buffers with the next units of the recorded order."""
+        coord = self.coordinator
+        if coord is None or not self._free or self._mapped:
+            return
+        for idx in coord.trace.upcoming():
+            if not self._free:
+                break
+            u = self.units_by_index.get(idx)
+            if (u is None or idx in self._ready or idx in self._inflight or u is current
+                    or id(u) in self._cache or id(u) not in self._group_of
+                    or u.state != "released"):
+                continue
+            buf = self._free.pop()
+            self._ready[idx] = (buf, self._io.submit(self._read, u, buf))
+
+    def _take_buffer(self) -> torch.Tensor:
+        """A free staging buffer: drop the read-ahead needed last, or complete the oldest
+        gather still holding one."""
+        while not self._free:
+            if self._ready:
+                _, (buf, future) = self._ready.popitem(last=True)
+                try:
+                    future.result()
+                except BaseException:
+                    pass
+                self._free.append(buf)
+            elif self._writes:
+                try:   # the write task frees its buffer before the future completes
+                    next(iter(self._writes.values())).result()
+                except BaseException:
+                    pass
+                self._writes = {key: f for key, f in self._writes.items() if not f.done()}
+            elif self._inflight:
+                idx = next(iter(self._inflight))
+                u = self._inflight[idx][0]
+                if u.handle is not None:   # the gatherer sees the collective as done
+                    u.handle.wait()
+                    u.handle = None
+                self.fetched(u)
+            else:
+                raise RuntimeError("offload_param: every staging buffer is busy and nothing "
+                                   "can be completed; raise offload_param.buffer_count")
+        return self._free.pop()
+
+    def _drop_ready(self) -> None:
+        while self._ready:
+            _, (buf, future) = self._ready.popitem()
+            try:
+                future.result()
+            except BaseException:
+                pass
+            self._free.append(buf)
+
+    # ---- the optimizer's write path -------------------------------------------------------
+    def write_piece(self, gb, k: int, offset: int, values: torch.Tensor) -> None:
+        """Updated fp32 values for elements ``[offset, offset + n)`` of unit *k*'s
+        partition in group *gb* (stored in the compute dtype, rounding as a copy does)."""
+        u = gb.units[k]
+        if not self.nvme:
+            u.part.narrow(0, offset, values.numel()).copy_(values)
+            return
+        if not self._stepping:
+            self._stepping = True
+            self._drop_ready()   # the step makes every read-ahead stale
+        buf = self._assembling.get(id(u))
+        if buf is None:
+            buf = self._assembling[id(u)] = self._take_buffer()
+        buf.narrow(0, offset, values.numel()).copy_(values)
+        size = gb.layout.shard_size(k)
+        if offset + values.numel() == size:
+            del self._assembling[id(u)]
+            part = buf.narrow(0, 0, size)
+            cached = self._cache.get(id(u))
+            if cached is not None:
+                cached.copy_(part)
+            self._writes[id(u)] = self._io.submit(self._write_task, u, buf)
+
+    def _write_task(self, u, buf) -> None:
+        gid, k = self._group_of[id(u)]
+        try:
+            self.files[gid].write(k, buf)
+        finally:
+            with self._lock:
+                self._free.append(buf)
+
+    def _write_now(self, u, values: torch.Tensor) -> None:
+        buf = self._take_buffer()
+        try:
+            n = values.numel()
+            buf.narrow(0, 0, n).copy_(values.reshape(-1))
+            gid, k = self._group_of[id(u)]
+            self.files[gid].write(k, buf)
+            cached = self._cache.get(id(u))
+            if cached is not None:
+                cached.copy_(buf.narrow(0, 0, n))
+        finally:
+            self._free.append(buf)
+
+    def flush(self) -> None:
+        """End of the optimizer step: every unit's new values are on disk."""
+        writes, self._writes = list(self._writes.values()), {}
+        self._stepping = False
+        for f in writes:
+            f.result()
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def mapped(self, gid: int) -> torch.Tensor:
+        if gid not in self._mapped:
+            self.flush()
+            self._drop_ready()
+            self._mapped.add(gid)
+        return self.files[gid].mapped()
+
+    def _reseal(self) -> None:
+        if not self._mapped:
+            return
+        for gid in self._mapped:
+            self.files[gid].reseal()
+        self._mapped.clear()
+        for key, cached in self._cache.items():   # the map may have been written
+            gid, k = self._group_of[key]
+            buf = self._take_buffer()
+            cached.copy_(self.files[gid].read(k, buf))
+            self._free.append(buf)
+
+    # ---- reports ---------------------------------------------------------------------------
+    def report(self) -> dict:
+        rep = {"device": self.cfg.device}
+        if self.nvme:
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            rep.update(
+                directory=self.directory,
+                staging_bytes=len(self._buffers) * self.cfg.buffer_size * elem,
+                cached_bytes=self._cached_numel * elem,
+                disk_bytes=sum(f.data_bytes for f in self.files),
+                bytes_read=sum(f.bytes_read for f in self.files),
+                bytes_written=sum(f.bytes_written for f in self.files),
+                reads=self.reads, read_ahead_hits=self.read_ahead_hits)
+        return rep
+
+    def close(self) -> None:
+        if self._io is not None:
+            self.flush()
+            self._drop_ready()
+            self._io.shutdown(wait=True)
+        for f in self.files:
+            f.close()
+
+
+class OffloadedStage3GroupBuffers(Stage3GroupBuffers):
+    """Stage3GroupBuffers whose parameter partitions are held by a :class:`ParamOffload`:
+    built one unit at a time, so that a rank never holds its whole partition in memory
+    (mixed precision keeps a host fp32 master until the offloaded optimizer took it)."""
+
+    def __init__(self, units, trainable, compute_dtype, device, rank, world_size, ledger,
+                 full_values, store: ParamOffload):
+        self.units = units
+        self.trainable = trainable
+        self.mixed = trainable and compute_dtype != torch.float32
+        self.rank, self.world_size = rank, world_size
+        elem = torch.empty((), dtype=compute_dtype).element_size()
+        self.layout = unit_layout(units, world_size, alignment_for(elem))
+        self.params = [p for u in units for p in u.params]
+        self.master = self.grad_part = None
+        if self.mixed:
+            # handed to the offloaded optimizer's store, then dropped (engine order)
+            self.master = FlatBuffer(self.layout, "partition", torch.float32,
+                                     torch.device("cpu"), rank)
+        store.add_group(self)
+        for k, u in enumerate(units):
+            u.master_part = self.master.bucket(k) if self.master is not None else None
+            full = full_values(u)
+            shard = u.padded_numel // world_size
+            mine = full.narrow(0, rank * shard, shard)
+            store.write_initial(u, mine)
+            if u.master_part is not None:
+                u.master_part.copy_(mine)
+            del full, mine
+        if trainable:
+            # after the units: the model's own copy is released unit by unit above
+            self.grad_part = FlatBuffer(self.layout, "partition", compute_dtype, device, rank)
+            ledger.track("gradients", self.grad_part.data)
+            for k, u in enumerate(units):
+                u.grad_part = self.grad_part.bucket(k)
+        else:
+            for u in units:
+                u.grad_part = None
+
+
+def build_param_offload(engine) -> ParamOffload | None:
+    """The stage-3 engine's parameter offload, or None when ``offload_param`` is off."""
+    zc = engine.config.zero_optimization
+    cfg = zc.offload_param
+    if not cfg.enabled:
+        return None
+    if not zc.offload_optimizer.enabled:
+        raise ConfigError(
+            f"config key '{KEY}.device' = {cfg.device!r} needs zero_optimization."
+            f"offload_optimizer too (device 'cpu' or 'nvme'): the fp32 master weights must "
+            f"live apart from the offloaded parameter partitions")
+    if zc.zeropp_enabled:
+        raise ConfigError(f"config key '{KEY}.device' = {cfg.device!r} cannot be combined "
+                          f"with ZeRO++ (zero_quantized_weights / zero_hpz_partition_size / "
+                          f"zero_quantized_gradients) yet; switch one of them off")
+    return ParamOffload(cfg, engine.compute_dtype, engine.device, engine.global_rank,
+                        engine.world_size, engine.runtime.accelerator)
