@@ -183,7 +183,8 @@ def markdown(data: dict) -> str:
             for k in IMPLS:
                 m = row["measurements"][k]
                 cells.append(f"{m['time_ms']:.3f} | {m['algbw_GBps']:.2f} | {m['busbw_GBps']:.2f}")
-            lines.append(f"| {human(row['bytes'])} | " + " | ".join(cells) + f" | {row['fastest']} |")
+            lines.append(f"| {human(row['bytes'])} | " + " | ".join(cells)
+                         + f" | {row['fastest']} |")
         lines.append("")
     lines.append(summary(data))
     return "\n".join(lines)

@@ -66,7 +66,8 @@ def test_mpi_hung_rank_raises_a_timeout_and_the_job_ends():
     results, elapsed = _run("mpi", "hang", 2, "mpirun")
     log = results[0].log
     assert results[0].returncode not in (0, None), log[-3000:]
-    assert "CommTimeoutError: all_reduce on group 'world' (ranks [0, 1]) did not finish within 5 s" in log
+    assert ("CommTimeoutError: all_reduce on group 'world' (ranks [0, 1]) did not finish "
+            "within 5 s") in log
     assert "calling MPI_Abort" in log
     assert elapsed < 60
 

@@ -61,7 +61,8 @@ def check(label: str, got: torch.Tensor, want64: torch.Tensor, parts=None, op: s
         bad = ((got.to(torch.float64) - want64).abs() > bound).sum().item()
         if bad:
             err = (got.to(torch.float64) - want64).abs().max().item()
-            failures.append(f"{label}: {bad} elements outside the rounding bound (max error {err:.3g})")
+            failures.append(f"{label}: {bad} elements outside the rounding bound "
+                            f"(max error {err:.3g})")
         return
     want = want64
     if not got.dtype.is_floating_point:

@@ -109,12 +109,14 @@ elif MODE == "dtype":
         attempts = [
             ("all_reduce bool", lambda: comm.all_reduce(torch.ones(8, dtype=torch.bool))),
             ("all_reduce complex", lambda: comm.all_reduce(torch.ones(8, dtype=torch.complex64))),
-            ("all_reduce int avg", lambda: comm.all_reduce(torch.ones(8, dtype=torch.int32), op="avg")),
+            ("all_reduce int avg",
+             lambda: comm.all_reduce(torch.ones(8, dtype=torch.int32), op="avg")),
             ("reduce_scatter int8 avg", lambda: comm.reduce_scatter(
                 torch.ones(4, dtype=torch.int8), torch.ones(4 * comm.world_size, dtype=torch.int8),
                 op="avg")),
             ("all_gather bool", lambda: comm.all_gather_into(
-                torch.ones(4 * comm.world_size, dtype=torch.bool), torch.ones(4, dtype=torch.bool))),
+                torch.ones(4 * comm.world_size, dtype=torch.bool),
+                torch.ones(4, dtype=torch.bool))),
         ]
         for label, call in attempts:
             try:
