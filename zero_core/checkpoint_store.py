@@ -79,7 +79,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 def _sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
+        for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
 
@@ -149,6 +149,11 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.to(torch.uint8)
     # viewed as bytes: bfloat16 and friends have no numpy type
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def _tensor_bytes_writable(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous CPU tensor *t*, writable in place."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def write_safetensors(path: str, entries: list[TensorEntry], metadata: dict | None = None,
@@ -273,9 +278,8 @@ class SafetensorsReader:
         dtype, shape, _, _ = self.tensors[name]
         return dtype, shape
 
-    def read(self, name: str, start: int = 0, count: int | None = None) -> torch.Tensor:
-        """Elements ``[start, start + count)`` of tensor *name*, flattened (a new tensor)."""
-        dtype, shape = self.spec(name)
+    def _range(self, name: str, start: int, count: int | None):
+        dtype, _ = self.spec(name)
         _, _, begin, end = self.tensors[name]
         elem = torch.empty((), dtype=dtype).element_size()
         numel = (end - begin) // elem
@@ -284,19 +288,35 @@ class SafetensorsReader:
             raise CheckpointError(f"{self.path}: elements {start}..{start + count} of "
                                   f"{name!r} are outside its {numel} elements: the metadata "
                                   f"does not match this shard")
-        nbytes = count * elem
-        buf = bytearray(nbytes)
-        view, got = memoryview(buf), 0
-        while got < nbytes:
-            n = os.preadv(self._fd, [view[got:]], self.data_start + begin + start * elem + got)
+        return dtype, count, self.data_start + begin + start * elem
+
+    def _pread_into(self, view: memoryview, offset: int, name: str) -> None:
+        got = 0
+        while got < len(view):
+            n = os.preadv(self._fd, [view[got:]], offset + got)
             if n <= 0:
                 raise CheckpointError(f"{self.path} ended while reading {name!r}: truncated")
             got += n
-        if nbytes == 0:
-            return torch.empty(0, dtype=dtype)
-        store = torch.bool if dtype == torch.bool else dtype
-        t = torch.frombuffer(buf, dtype=torch.uint8 if dtype == torch.bool else store)
-        return t.to(torch.bool) if dtype == torch.bool else t
+
+    def read(self, name: str, start: int = 0, count: int | None = None) -> torch.Tensor:
+        """Elements ``[start, start + count)`` of tensor *name*, flattened (a new tensor)."""
+        dtype, count, offset = self._range(name, start, count)
+        out = torch.empty(count, dtype=torch.uint8 if dtype == torch.bool else dtype)
+        if count:
+            self._pread_into(_tensor_bytes_writable(out), offset, name)
+        return out.to(torch.bool) if dtype == torch.bool else out
+
+    def read_into(self, name: str, start: int, dst: torch.Tensor) -> None:
+        """Copy elements ``[start, start + dst.numel())`` of *name* into *dst* — straight from
+        the file when *dst* is a contiguous CPU tensor of the stored dtype (no staging copy),
+        converting the dtype otherwise."""
+        dtype, count, offset = self._range(name, start, dst.numel())
+        if (dst.dtype == dtype and dtype != torch.bool and dst.device.type == "cpu"
+                and dst.is_contiguous()):
+            if count:
+                self._pread_into(_tensor_bytes_writable(dst), offset, name)
+        else:
+            dst.copy_(self.read(name, start, count).view(dst.shape))
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """Tensor *name* with its shape."""

@@ -97,7 +97,7 @@ def assemble(shards: ShardSet, pieces: list, name: str, numel: int, keys, dtype=
             raise CheckpointError(f"{where}: fragment [{start}, {end}) of {name!r} in {file} "
                                   f"has none of {list(keys)} (it holds {sorted(fkeys)})")
         col, off = src
-        out[start:end].copy_(shards.get(file).read(col, int(off), end - start))
+        shards.get(file).read_into(col, int(off), out[start:end])
         covered += end - start
     if covered != numel or numel and (pieces[0][1] != 0 or pieces[-1][2] != numel):
         raise CheckpointError(f"{where}: the fragments of {name!r} cover {covered} of its "

@@ -555,11 +555,11 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
         for file in files:
             with store.open_shard(tag_dir, file, meta) as reader:
                 for col, off, count, dst in plan.get(file, ()):
-                    dst.copy_(reader.read(col, off, count))
+                    reader.read_into(col, off, dst)
                 if file == buffer_file:
                     for n in meta["model"]["buffers"]:
                         if n in named_buffers:
-                            named_buffers[n].copy_(reader.read_tensor("buffer." + n))
+                            reader.read_into("buffer." + n, 0, named_buffers[n])
                 if file == rng_file:
                     rng_reader_path = reader.path  # restored last, after the collectives
         common = store.load_plain(tag_dir, meta.get("common", store.COMMON), meta)
