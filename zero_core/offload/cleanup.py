@@ -14,6 +14,7 @@ after the process ends, and at ZeRO-Infinity sizes they fill a disk, so they are
 from __future__ import annotations
 
 import atexit
+import itertools
 import errno
 import os
 import shutil
@@ -27,6 +28,7 @@ PREFIX = "zero_core_offload."
 _lock = threading.Lock()
 _dirs: dict[str, str] = {}       # realpath(nvme_path) -> this process's directory
 _installed = False
+_instances = itertools.count()
 
 
 def _host() -> str:
@@ -107,6 +109,12 @@ def rank_directory(nvme_path: str, rank: int, key: str) -> str:
         _dirs[real] = path
         _install()
         return path
+
+
+def unique_prefix(kind: str) -> str:
+    """A file-name prefix no other store of this process uses (several engines may share
+    one directory), e.g. ``"optimizer3."``."""
+    return f"{kind}{next(_instances)}."
 
 
 def remove(path: str) -> None:

@@ -36,6 +36,7 @@ import torch
 
 from ..flat_buffer import FlatBuffer
 from ..partition import GroupLayout
+from .cleanup import unique_prefix
 from .errors import OffloadError
 from .subgroups import SubGroup
 from .swap_file import SwapFile, aligned_empty
@@ -69,13 +70,14 @@ class NvmeStateStore:
         self.names, self.rank, self.directory = names, rank, directory
         self.layouts = layouts
         self.files: dict[tuple[int, str], SwapFile] = {}
+        prefix = unique_prefix("optimizer")
         try:
             for j, lay in enumerate(layouts):
                 if lay is None:
                     continue
                 bounds = [(sg.lo, sg.numel) for sg in subgroups if sg.group == j]
                 for name in names:
-                    path = os.path.join(directory, f"optimizer.group{j}.{name}.swap")
+                    path = os.path.join(directory, f"{prefix}group{j}.{name}.swap")
                     self.files[(j, name)] = SwapFile(path, torch.float32, lay.partition_numel,
                                                      bounds, direct)
         except BaseException:

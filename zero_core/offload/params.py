@@ -38,7 +38,7 @@ from ..flat_buffer import FlatBuffer
 from ..partition import alignment_for
 from ..stage3.buffers import Stage3GroupBuffers
 from ..stage3.units import unit_layout
-from .cleanup import rank_directory
+from .cleanup import rank_directory, unique_prefix
 from .swap_file import SwapFile, aligned_empty
 
 KEY = "zero_optimization.offload_param"
@@ -66,6 +66,7 @@ class ParamOffload:
         self.nvme = cfg.device == "nvme"
         self.directory = rank_directory(cfg.nvme_path, rank, f"{KEY}.nvme_path") if self.nvme else None
         self.files: list[SwapFile] = []
+        self._prefix = unique_prefix("params")
         self._group_of: dict[int, tuple[int, int]] = {}   # id(unit) -> (file, region)
         self._cache: dict[int, torch.Tensor] = {}         # id(unit) -> host copy (max_in_cpu)
         self._cached_numel = 0
@@ -104,7 +105,7 @@ class ParamOffload:
             return
         gid = len(self.files)
         bounds = [(lay.partition_start(k), lay.shard_size(k)) for k in range(lay.num_buckets)]
-        path = f"{self.directory}/params.group{gid}.swap"
+        path = f"{self.directory}/{self._prefix}group{gid}.swap"
         self.files.append(SwapFile(path, self.dtype, lay.partition_numel, bounds, direct=False))
         biggest = max(n for _, n in bounds)
         if biggest > self.cfg.buffer_size:
