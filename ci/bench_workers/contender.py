@@ -149,11 +149,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--bucket-elements", type=int, default=0)
+    p.add_argument("--model", default="bench",
+                   help="examples/gpt.py preset (the benchmarks use bench; smoke tests tiny)")
     args = p.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     launch = discover()
-    model = build_model("bench", seed=0)
+    model = build_model(args.model, seed=0)
     text = load_stdlib_text(max_bytes=TEXT_BYTES)
     sampler = GlobalBatchSampler(text.train, model.cfg.block_size, args.micro_batch,
                                  launch.world_size, seed=0)
