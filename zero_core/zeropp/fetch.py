@@ -67,7 +67,8 @@ class UnitFetch:
             self.exact_gathers += 1
         self._lossy[u.index] = lossy
         if sec is not None and not sec.valid(u):
-            handle = Then(handle, lambda: sec.refresh(u, full, lossy))
+            epoch = sec.epoch
+            handle = Then(handle, lambda: sec.refresh(u, full, lossy, epoch))
         return full, handle
 
     @torch.no_grad()

@@ -59,6 +59,7 @@ class SecondaryPartitions:
         self.buffer = torch.empty(total, dtype=dtype, device=device)
         self._valid: set[int] = set()
         self._lossy: set[int] = set()
+        self.epoch = 0   # bumped by invalidate_all: a refresh started before is dropped
         self.gathers = 0
         self.refreshes = 0
 
@@ -81,8 +82,12 @@ class SecondaryPartitions:
         """True when the valid secondary copy holds qwZ-dequantized (not exact) values."""
         return u.index in self._lossy
 
-    def refresh(self, u, full: torch.Tensor, lossy: bool) -> None:
-        """Take this rank's secondary shard from the gathered *full* unit."""
+    def refresh(self, u, full: torch.Tensor, lossy: bool, epoch: int | None = None) -> None:
+        """Take this rank's secondary shard from the gathered *full* unit — unless *epoch*
+        (when the gather started) is older than the last invalidation (a gather still in
+        flight across an optimizer step carries the old values)."""
+        if epoch is not None and epoch != self.epoch:
+            return
         n = u.padded_numel // self.size
         self.shard(u).copy_(full.narrow(0, self.index * n, n))
         self._valid.add(u.index)
@@ -101,5 +106,6 @@ class SecondaryPartitions:
 
     def invalidate_all(self) -> None:
         """The partitions changed (optimizer step, checkpoint restore)."""
+        self.epoch += 1
         self._valid.clear()
         self._lossy.clear()

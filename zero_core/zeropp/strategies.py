@@ -39,6 +39,13 @@ class ZeroPlusPlus:
     def __init__(self, engine, units):
         zc = engine.config.zero_optimization
         comm = engine.comm
+        if getattr(engine, "param_offload", None) is not None:
+            # the gather strategies read u.part in device memory; offloaded partitions are
+            # fetched by the plain gather path only (zero_core/offload/params.py)
+            raise ConfigError("ZeRO++ (zero_quantized_weights / zero_hpz_partition_size / "
+                              "zero_quantized_gradients) together with "
+                              "zero_optimization.offload_param is not supported yet; switch "
+                              "one of them off")
         self.comm = comm
         self.elem_bytes = engine.compute_dtype.itemsize
         qw = zc.zero_quantized_weights or zc.zero_quantized_nontrainable_weights
