@@ -127,3 +127,35 @@ def test_offloaded_state_checkpoints_and_resumes_exactly(key, tmp_path_factory):
     assert len(resumes) == 3
     for r in resumes:
         assert r["a"] == r["b"]
+
+
+def _memory_run(tmp_path, device):
+    plan = [["memory", 8_000_000, 262_144, 3, device]]
+    res = run_ranks(WORKER, 1, "torchrun", args=[json.dumps(plan), str(tmp_path)],
+                    env={"ZERO_CORE_COMM": "gloo"}, timeout=600)[0].report[0]
+    assert res["reset_failed"] is None, res["reset_failed"]
+    return res
+
+
+def test_nvme_offload_bounds_host_memory_by_its_buffers(tmp_path):
+    """One rank, 8M parameters: 96 MB of fp32 master weights and Adam states, sub-groups of
+    256K elements, 3 slots. Measured against the same run with the states in host memory
+    (device cpu), whose first step has the same one-time costs (send buffers, first kernel
+    call): the NVMe run must hold the 96 MB less, and its first step may grow the resident
+    set by at most the store's buffers (3 slots × 3 states × 1 MiB + a 1 MiB gradient
+    buffer, of which the cpu store touches the gradient buffer too) plus 8 MiB (two worker
+    threads: their stacks and per-thread allocator arenas; measured ~4.5 MiB) more than
+    the cpu run's."""
+    nvme = _memory_run(tmp_path, "nvme")
+    host = _memory_run(tmp_path, "cpu")
+    off = nvme["offload"]
+    state_bytes = 3 * 4 * nvme["num_parameters"]
+    assert off["host_bytes"] == (3 * 3 + 1) * 262_144 * 4
+    assert off["bytes_written"] >= state_bytes   # the step really streamed the states
+    assert off["bytes_read"] >= state_bytes - 3 * off["host_bytes"]
+    grown_nvme = nvme["peak"] - nvme["before"]
+    grown_host = host["peak"] - host["before"]
+    assert grown_nvme - grown_host <= off["host_bytes"] + 8 * (1 << 20), (grown_nvme, grown_host)
+    # whole-process view: the states are not in this process's memory
+    assert nvme["peak"] <= host["peak"] - state_bytes + off["host_bytes"] + 8 * (1 << 20), (
+        nvme["peak"], host["peak"])
