@@ -197,3 +197,16 @@ def test_convert_memory_is_about_one_tensor(saved, tmp_path):
     assert len(state) == 2 * BIG_LAYERS
     for name, t in state.items():
         assert float(t.double().sum()) == pytest.approx(big["checksums"][name], rel=1e-9, abs=1e-9)
+
+
+def test_deepspeed_checkpoints_are_refused_with_the_reason(tmp_path):
+    from zero_core.checkpoint_store import CheckpointError
+    from zero_core.convert import convert
+    tag = tmp_path / "global_step5"
+    tag.mkdir()
+    (tmp_path / "latest").write_text("global_step5")
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not read")
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"not read")
+    with pytest.raises(CheckpointError, match="DeepSpeed ZeRO checkpoint.*zero_to_fp32"):
+        convert(str(tmp_path), str(tmp_path / "out.safetensors"))
+    assert not (tmp_path / "out.safetensors").exists()

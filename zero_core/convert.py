@@ -16,7 +16,8 @@ with the optimizer kind, per-group hyperparameters, step counts and member param
 JSON in the header's ``__metadata__["optimizer"]``.
 
 A DeepSpeed ZeRO checkpoint directory (``zero_pp_rank_*_optim_states.pt`` and
-``*_model_states.pt``) is recognized and read by :func:`read_deepspeed` (see there).
+``*_model_states.pt``) is recognized and refused with the reason (reading it is not
+implemented yet; :func:`read_deepspeed`).
 """
 from __future__ import annotations
 
@@ -239,5 +240,10 @@ def _deepspeed_dirs(path: str, tag: str | None) -> list:
 
 
 def read_deepspeed(path, out, tag, dtype, optimizer_states, progress) -> dict:
-    raise CheckpointError(f"{path} is a DeepSpeed checkpoint; reading DeepSpeed "
-                          f"checkpoints is not implemented yet")
+    """Not implemented: refuse with the reason and the way out."""
+    raise CheckpointError(
+        f"{path} is a DeepSpeed ZeRO checkpoint (zero_pp_rank_*_optim_states.pt / "
+        f"*_model_states.pt); zero-core convert cannot read it yet: those files are pickles "
+        f"holding DeepSpeed objects, and this reader is not written and tested yet. Use "
+        f"DeepSpeed's own zero_to_fp32.py in an environment with deepspeed installed, then "
+        f"load the result into the model and save_checkpoint() with zero-core")

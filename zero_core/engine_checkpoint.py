@@ -49,6 +49,13 @@ It also reads these engine attributes: ``module``, ``comm``, ``global_rank``,
 ``optimizer.step_counts``, ``global_steps``, ``micro_steps``, ``skipped_steps``,
 ``loss_scaler``, ``lr_scheduler``. :func:`layout_fragments` builds fragments from a
 :class:`~zero_core.partition.GroupLayout` and flat buffers, which is all stages 0–3 need.
+
+Implementations: :func:`zero_fragments` / :func:`zero_restored` (ZeroEngine, stages 0–2:
+rank r saves slice r of every bucket, also at stage 0; frozen parameters from rank 0) and
+:func:`stage3_fragments` / :func:`stage3_restored` (Stage3Engine: each rank's partition of
+every fetch unit; restore re-derives the low-precision partitions and releases gathered
+units). Optimizers re-created from other torch.optim classes (rule kind "torch") are
+refused for now.
 """
 from __future__ import annotations
 
