@@ -7,11 +7,11 @@ weights and parameters offloaded to files on a local disk).
 
 Bounded time: each mode tries an explicit, increasing list of sizes (``--stage3-sizes``,
 ``--nvme-sizes``, as LAYERSxWIDTH) and stops at the first size that does not fit; a size
-gets ``--timeout`` seconds. Bounded memory: every rank limits its own data segment
-(RLIMIT_DATA = budget / ranks; an allocation beyond it fails inside that rank and is
-reported as out of memory), and every rank stops at once if the machine's MemAvailable
-falls below ``--min-available-gb`` (other work shares the machine), so a size that does
-not fit never pushes the machine into the OOM killer.
+gets ``--timeout`` seconds. Bounded memory: a watchdog thread in every rank stops the
+rank when its resident set exceeds budget / ranks (reported as out of memory budget) or
+when the machine's MemAvailable falls below ``--min-available-gb`` (other work shares the
+machine), and RLIMIT_DATA (the whole budget) stops a runaway allocation at once; so a
+size that does not fit never pushes the machine into the OOM killer.
 
 Printed (markdown, and JSON with --json): per size, parameters, whether it trained,
 build and step times, peak RSS per rank, and for the offloaded runs the bytes read and
@@ -55,7 +55,8 @@ def run_size(mode, layers, width, args) -> dict:
     os.makedirs(nvme_dir, exist_ok=True)
     settings = {"n_layer": layers, "n_embd": width, "mode": mode, "nvme_dir": nvme_dir,
                 "steps": args.steps, "seq": args.seq,
-                "data_limit": int(args.budget_gb * GIB / args.ranks),
+                "rss_limit": int(args.budget_gb * GIB / args.ranks),
+                "data_limit": int(args.budget_gb * GIB),
                 "min_available": int(args.min_available_gb * GIB)}
     t = time.perf_counter()
     try:
@@ -130,7 +131,7 @@ def main():
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--nvme-dir", default="/work/offload_bench")
     ap.add_argument("--budget-gb", type=float, default=14.0,
-                    help="memory for all ranks together (RLIMIT_DATA each: budget/ranks)")
+                    help="resident memory for all ranks together (each rank: budget/ranks)")
     ap.add_argument("--min-available-gb", type=float, default=2.5,
                     help="stop a run when the machine's MemAvailable drops below this")
     ap.add_argument("--stage3-sizes", default="16x1536,20x1792,24x1792")

@@ -2,7 +2,8 @@
 ``zero_core.Init`` (stage 3), train a few steps, report memory, time and swap traffic.
 
 Usage: ``python offload_gpt.py '<json settings>'``; settings: n_layer, n_embd, mode
-("stage3" or "nvme"), nvme_dir, steps, seq, data_limit (bytes, RLIMIT_DATA per rank),
+("stage3" or "nvme"), nvme_dir, steps, seq, rss_limit (bytes of resident memory this
+rank may use), data_limit (RLIMIT_DATA backstop against a runaway allocation),
 min_available (bytes of MemAvailable below which every rank stops at once).
 """
 from __future__ import annotations
@@ -33,13 +34,18 @@ def mem_available() -> int:
     return 1 << 62
 
 
-def watchdog(min_available: int, rank: int):
-    """Stop this rank before the machine runs out of memory (other work shares it)."""
+def watchdog(min_available: int, rss_limit: int):
+    """Stop this rank when it exceeds its share of the memory budget, or before the
+    machine runs out of memory (other work shares it)."""
+    from zero_core.backends.accelerators.cpu import rss_bytes
     while True:
+        if rss_bytes() > rss_limit:
+            report({"ok": False, "why": f"out of memory budget: RSS > {rss_limit >> 20} MiB"})
+            os._exit(3)
         if mem_available() < min_available:
             report({"ok": False, "why": f"watchdog: MemAvailable < {min_available >> 20} MiB"})
             os._exit(3)
-        time.sleep(0.2)
+        time.sleep(0.1)
 
 
 def config(s: dict) -> dict:
@@ -59,7 +65,8 @@ def main():
     limit = int(s["data_limit"])
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
-    threading.Thread(target=watchdog, args=(int(s["min_available"]), rank), daemon=True).start()
+    threading.Thread(target=watchdog, args=(int(s["min_available"]), int(s["rss_limit"])),
+                     daemon=True).start()
     t0 = time.perf_counter()
     cfg = config(s)
     try:

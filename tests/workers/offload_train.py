@@ -5,7 +5,8 @@ each rank reports a list with one result per task. Tasks:
 
 * ``["train", name, stage, precision, opt_device, param_device]`` — train STEPS optimizer
   steps (gradient accumulation 2, clipping active, two parameter groups, a frozen layer)
-  and report the loss curve and every parameter's final values (gathered at stage 3),
+  (at stage 3 a weight is modified under GatheredParameters halfway) and report the
+  loss curve and every parameter's final values (gathered at stage 3),
   the swap directories used, and the offload report.
 * ``["resume", stage, opt_device, param_device]`` — train 3 steps, save a checkpoint, train
   3 more (run A); build a fresh engine, load, train 3 (run B); report both.
@@ -108,9 +109,20 @@ def values(engine, model):
             ctx.__exit__(None, None, None)
 
 
+def modify_in_place(engine, model):
+    """Stage 3: change a weight outside the optimizer (GatheredParameters with a modifier
+    rank), which must reach wherever the master weights and partitions are stored."""
+    with torch.no_grad(), GatheredParameters([model.l1.weight], modifier_rank=0):
+        if engine.global_rank == 0:
+            model.l1.weight.mul_(0.5)
+
+
 def task_train(scratch, name, stage, precision, opt_device, param_device):
     engine, model = build(stage, precision, opt_device, param_device, scratch)
-    losses = train(engine, 0, STEPS)
+    losses = train(engine, 0, STEPS // 2)
+    if stage == 3:
+        modify_in_place(engine, model)
+    losses += train(engine, STEPS // 2, STEPS - STEPS // 2)
     rep = engine.memory_report().get("offload")
     return {"name": name, "losses": losses, "values": values(engine, model),
             "dirs": cleanup.registered(), "offload": rep,

@@ -276,6 +276,31 @@ class NvmeStateStore:
             raise OffloadError(f"offload: a swap worker failed: {type(err).__name__}: "
                                f"{err}") from err
 
+    # ---- writes outside the step (GatheredParameters modifying a stage-3 unit) ---------------
+    def write_range(self, group: int, name: str, lo: int, values: torch.Tensor,
+                    subgroups: list[SubGroup]) -> None:
+        """Overwrite partition elements ``[lo, lo + n)`` of state *name* of *group* with
+        *values* (read-modify-write of the sub-groups they touch, synchronously)."""
+        self.finish()
+        self._reseal()
+        self._drop_reads()
+        hi = lo + values.numel()
+        slot = self._take_slot()
+        try:
+            buf = self.slots[slot][name]
+            for sg in subgroups:
+                if sg.group != group or sg.hi <= lo or sg.lo >= hi:
+                    continue
+                f = self.files[(group, name)]
+                f.read(sg.index, buf)
+                a, b = max(lo, sg.lo), min(hi, sg.hi)
+                buf.narrow(0, a - sg.lo, b - a).copy_(values.narrow(0, a - lo, b - a))
+                f.write(sg.index, buf)
+        finally:
+            with self._lock:
+                self._free.append(slot)
+
+
     # ---- checkpoints --------------------------------------------------------------------------
     def flat(self, group: int, name: str) -> SwappedFlatBuffer:
         """The state *name* of *group* as a FlatBuffer backed by its swap file."""
@@ -330,3 +355,21 @@ class NvmeStateStore:
             self._writer.shutdown(wait=True)
         for f in self.files.values():
             f.close()
+
+
+class MasterWriteThrough:
+    """Stands in for a stage-3 unit's ``master_part`` when the master is on NVMe: the
+    gatherer's write-back (``u.master_part.copy_(values)``, GatheredParameters with a
+    modifier) goes to the swap file instead of being lost."""
+
+    def __init__(self, store: "NvmeStateStore", group: int, lo: int, numel: int,
+                 subgroups: list[SubGroup]):
+        self.store, self.group, self.lo, self.numel = store, group, lo, numel
+        self.subgroups = subgroups
+
+    def copy_(self, values: torch.Tensor):
+        if values.numel() != self.numel:
+            raise ValueError(f"master write of {values.numel()} elements into {self.numel}")
+        self.store.write_range(self.group, "master", self.lo, values.float().reshape(-1),
+                               self.subgroups)
+        return self

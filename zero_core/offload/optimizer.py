@@ -38,7 +38,7 @@ from ..errors import ConfigError, ZeroCoreError
 from ..partitioned_optimizer import PartitionedOptimizer
 from .cleanup import rank_directory
 from .host import HostStateStore
-from .nvme import NvmeStateStore
+from .nvme import MasterWriteThrough, NvmeStateStore
 from .subgroups import plan_subgroups
 
 MASTER = "master"
@@ -120,9 +120,12 @@ class OffloadedOptimizer(PartitionedOptimizer):
                     self.store.release(sg)
             gb.master = self.store.flat(j, MASTER)
             for k, u in enumerate(getattr(gb, "units", ())):
-                # stage 3: GatheredParameters write-backs reach a host master directly
-                u.master_part = (gb.master.bucket(k) if isinstance(self.store, HostStateStore)
-                                 else None)
+                # stage 3: GatheredParameters write-backs must reach the offloaded master
+                if isinstance(self.store, HostStateStore):
+                    u.master_part = gb.master.bucket(k)
+                else:
+                    u.master_part = MasterWriteThrough(self.store, j, gb.layout.partition_start(k),
+                                                       gb.layout.shard_size(k), self.subgroups)
 
     # ---- the step -----------------------------------------------------------------------------
     @torch.no_grad()
