@@ -60,7 +60,13 @@ class Contender:
     needs: str | None = None  # a module that must be importable
 
 
-def all_contenders() -> list[Contender]:
+# Open MPI binds each of 2 ranks to its own core by default, while the torchrun-style jobs
+# float over all cores; unbinding gives every contender the same placement (and lets the
+# MPI communicator's worker thread run on the other core when that one is idle).
+MPI_BINDING_ENV = {"none": {"PRTE_MCA_hwloc_default_binding_policy": "none"}, "default": {}}
+
+
+def all_contenders(mpi_bind: str = "none") -> list[Contender]:
     out = [Contender("ddp", ["ddp"]),
            Contender("zero-redundancy", ["zero_redundancy"]),
            Contender("fsdp2", ["fsdp2"])]
@@ -71,7 +77,8 @@ def all_contenders() -> list[Contender]:
         for stage in (0, 1, 2):
             out.append(Contender(f"zero-core-{stage}-{comm}",
                                  ["zero_core", "--stage", str(stage), "--comm", comm],
-                                 launcher="mpirun" if comm == "mpi" else "torchrun"))
+                                 launcher="mpirun" if comm == "mpi" else "torchrun",
+                                 env=dict(MPI_BINDING_ENV[mpi_bind]) if comm == "mpi" else {}))
     return out
 
 
@@ -140,7 +147,7 @@ def setup_bench_venv() -> str:
     return python
 
 
-def maybe_reexec_in_bench_env(args, argv) -> str | None:
+def maybe_reexec_in_bench_env(argv: list) -> str | None:
     """Re-run this script under a Python that has deepspeed, if needed and possible.
 
     Returns a reason when DeepSpeed will be skipped, None when it is available here."""
@@ -292,7 +299,11 @@ def main(argv=None) -> int:
                         "on a busy machine); the median is over all rounds' steps")
     p.add_argument("--only", default=DEFAULT_SELECTION,
                    help="comma-separated names or globs (e.g. 'ddp,zero-core-*')")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON here")
+    p.add_argument("--json", metavar="FILE", default=os.path.join(REPO, "bench_results", "bench_engine.json"),
+                   help="write the full results (every step, every rank's reports) as JSON here")
+    p.add_argument("--mpi-bind", choices=sorted(MPI_BINDING_ENV), default="none",
+                   help="placement of mpirun's ranks: 'none' floats them over all cores like "
+                        "the torchrun-style jobs; 'default' keeps Open MPI's bind-to-core")
     p.add_argument("--timeout", type=float, default=900, help="seconds per contender job")
     p.add_argument("--setup-bench-venv", action="store_true",
                    help="create the benchmark environment with deepspeed, then exit")
@@ -304,17 +315,17 @@ def main(argv=None) -> int:
         args.warmup, args.steps, args.rounds = 1, 3, 1
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         p.error("--steps and --rounds must be >= 1 and --warmup >= 0")
-    chosen = select(all_contenders(), args.only)
+    chosen = select(all_contenders(args.mpi_bind), args.only)
     skip_deepspeed = None
     if any(c.needs == "deepspeed" for c in chosen):
-        skip_deepspeed = maybe_reexec_in_bench_env(args, argv)
+        skip_deepspeed = maybe_reexec_in_bench_env(argv)
 
     import torch
     print(f"# zero-core vs peers: ZeRO stages 0-2, {RANKS} ranks, GPT 'bench' preset, "
           f"fp32 AdamW, 4x128 tokens per rank; {args.warmup} warm-up + {args.steps} timed steps",
           flush=True)
     print(f"# python {platform.python_version()} ({sys.executable}), torch {torch.__version__}, "
-          f"{os.cpu_count()} cores, 1 thread per rank; load average now "
+          f"{os.cpu_count()} cores, 1 thread per rank, mpirun binding: {args.mpi_bind}; load average now "
           f"{os.getloadavg()[0]:.2f}", flush=True)
     runs: dict[str, list] = {c.name: [] for c in chosen}
     skipped = {c.name: skip_deepspeed for c in chosen if c.needs == "deepspeed" and skip_deepspeed}
@@ -338,6 +349,10 @@ def main(argv=None) -> int:
                 print(f"[bench]   {run['status']}\n{run['reason']}", file=sys.stderr, flush=True)
     rows = [{"name": c.name, "status": "skipped", "reason": skipped[c.name]} if c.name in skipped
             else summarize(c, runs[c.name]) for c in chosen]
+    ddp = next((r for r in rows if r["name"] == "ddp" and r["status"] == "ok"), None)
+    for r in rows:
+        if ddp and r["status"] == "ok":
+            r["vs_ddp"] = r["median_step_s"] / ddp["median_step_s"]
     print()
     print(markdown_table(rows))
     print()
@@ -351,11 +366,12 @@ def main(argv=None) -> int:
               f"(2 ranks alone give ~2; more means other work shared the cores)")
     result = {"ranks": RANKS, "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
               "python": sys.executable, "torch": torch.__version__, "results": rows}
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"\nfull results: {args.json}")
     print("\n```json")
-    print(json.dumps({r["name"]: {k: r.get(k) for k in ("status", "median_step_s", "peak_rss_bytes",
+    print(json.dumps({r["name"]: {k: r.get(k) for k in ("status", "median_step_s", "vs_ddp", "median_cpu_step_s", "peak_rss_bytes",
                                                        "first_loss", "last_loss")} for r in rows}))
     print("```")
     return 0 if all(r["status"] in ("ok", "skipped") for r in rows) else 1
