@@ -30,12 +30,13 @@ from .quant_layout import (INT4_OFFSET, QMAX, check_dequant_out, check_input,
                            check_output_dtype, check_payload, check_quant_out, new_quant_out,
                            num_blocks, payload_numel, stack_senders)
 
-#: elements per chunk (rounded down to whole blocks). The scratch buffers of one chunk
-#: (~15 MB at 1M elements) stay in a server CPU's L3. Smaller chunks measured no faster
-#: on a quiet machine and far slower on a busy one: each torch op is a parallel region
-#: whose threads must all be scheduled, so fewer, larger ops ride out CPU contention
-#: (2 threads, 10M elements, load ~11: int8 quantize 158 ms at 64K, 16 ms at 1M).
-CHUNK_ELEMENTS = 1 << 20
+#: elements per chunk (rounded down to whole blocks). An fp32 chunk and its quotient
+#: (2 x 16 MB at 4M elements) about fill a server CPU's L3. Each torch op is a parallel
+#: region whose threads must all be scheduled, so on a CPU shared with other processes
+#: fewer, larger ops win: 50M elements, 2 threads, load ~7.5, best/median ms of int8
+#: quantize (out=): 74-104/195-274 at 1M, 53-61/126-147 at 4M, 66-132/145-149 at 8M
+#: (64K chunks were 10x slower still).
+CHUNK_ELEMENTS = 1 << 22
 
 _local = threading.local()
 
