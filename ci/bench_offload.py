@@ -17,7 +17,9 @@ Printed (markdown, and JSON with --json): per size, parameters, whether it train
 build and step times, peak RSS per rank, and for the offloaded runs the bytes read and
 written per rank in the last step against the theoretical volume for fp32 Adam:
 optimizer read = written = 12Ψ/N (master, exp_avg, exp_avg_sq), parameters written 4Ψ/N
-and read 8Ψ/N (each unit's partition once in forward and once in backward).
+and read 12Ψ/N (each unit's partition in forward, in the recompute of its checkpointed
+block, and in backward). Both modes checkpoint every block's activations (otherwise
+autograd keeps every gathered weight alive until backward, see stage3/gather.py).
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ def run_size(mode, layers, width, args) -> dict:
         io = {k: sum(r["io_last_step"][k] for r in reports) / n
               for k in ("optimizer_read", "optimizer_written", "params_read", "params_written")}
         io["theory_optimizer"] = 12 * psi / n
-        io["theory_params_read"] = 8 * psi / n
+        io["theory_params_read"] = 12 * psi / n
         io["theory_params_written"] = 4 * psi / n
         io["host_bytes"] = r0["io_last_step"]["host_bytes"]
         io["staging_bytes"] = r0["io_last_step"]["staging_bytes"]
@@ -130,12 +132,12 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--nvme-dir", default="/work/offload_bench")
-    ap.add_argument("--budget-gb", type=float, default=14.0,
+    ap.add_argument("--budget-gb", type=float, default=10.0,
                     help="resident memory for all ranks together (each rank: budget/ranks)")
     ap.add_argument("--min-available-gb", type=float, default=2.5,
                     help="stop a run when the machine's MemAvailable drops below this")
-    ap.add_argument("--stage3-sizes", default="16x1536,20x1792,24x1792")
-    ap.add_argument("--nvme-sizes", default="24x2560,28x2560,32x2560")
+    ap.add_argument("--stage3-sizes", default="6x2048,8x2048,10x2048,12x2048")
+    ap.add_argument("--nvme-sizes", default="24x2048,28x2048,32x2048,36x2048")
     ap.add_argument("--modes", default="stage3,nvme")
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--json")

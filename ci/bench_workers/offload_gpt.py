@@ -8,6 +8,7 @@ min_available (bytes of MemAvailable below which every rank stops at once).
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import resource
@@ -48,6 +49,24 @@ def watchdog(min_available: int, rss_limit: int):
         time.sleep(0.1)
 
 
+def trim() -> None:
+    """Give freed heap memory back to the system (glibc keeps large freed blocks), so that
+    the resident set measures what is in use (both modes alike)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def checkpoint_blocks(model) -> None:
+    """Activation checkpointing of every transformer block (both modes): without it,
+    autograd keeps views of every gathered weight until backward (see stage3/gather.py),
+    so each rank would hold the whole model during forward, offloaded or not."""
+    from zero_core.checkpointing import checkpoint
+    for block in model.blocks:
+        block.forward = (lambda x, fwd=block.forward: checkpoint(fwd, x))
+
+
 def config(s: dict) -> dict:
     zo = {"stage": 3, "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 100_000_000,
           "stage3_prefetch_bucket_size": 50_000_000}
@@ -75,7 +94,9 @@ def main():
         torch.manual_seed(0)
         with zero_core.Init(config=cfg):
             model = GPT(gcfg)
+        checkpoint_blocks(model)
         engine, *_ = zero_core.initialize(model=model, config=cfg)
+        trim()
         built = time.perf_counter() - t0
         g = torch.Generator().manual_seed(rank)
         steps, marks = [], []
@@ -86,6 +107,7 @@ def main():
             loss = lm_loss(engine(idx[:, :-1]), idx[:, 1:])
             engine.backward(loss)
             engine.step()
+            trim()
             steps.append(time.perf_counter() - t)
             marks.append((before, engine.memory_report().get("offload")))
         io = None

@@ -108,10 +108,23 @@ class OffloadedOptimizer(PartitionedOptimizer):
         for j, gb in enumerate(self.buffers):
             if gb is None:
                 continue
+            # fp32 with offloaded parameters: the values are in the parameter store; read
+            # them unit by unit rather than through a map of the whole file
+            from_sink = gb.master is None and self.param_sink is not None
+            last = {}
+
+            def source(k, gb=gb, from_sink=from_sink, last=last):
+                if not from_sink:
+                    return gb.master_bucket(k)
+                if k not in last:
+                    last.clear()
+                    last[k] = self.param_sink.read_partition(gb, k)
+                return last[k]
+
             for sg in by_group.get(j, []):
-                def fill(dst, sg=sg, gb=gb):
+                def fill(dst, sg=sg):
                     for p in sg.pieces:
-                        src = gb.master_bucket(p.bucket).narrow(0, p.shard_offset, p.numel)
+                        src = source(p.bucket).narrow(0, p.shard_offset, p.numel)
                         dst.narrow(0, p.sub_offset, p.numel).copy_(src)
                 if isinstance(self.store, NvmeStateStore):
                     self.store.write_initial(sg, MASTER, fill)

@@ -136,6 +136,23 @@ class ParamOffload:
             return
         self._write_now(u, values)
 
+    def read_partition(self, gb, k: int) -> torch.Tensor:
+        """A host copy of unit *k*'s partition of group *gb* (read from its file, without
+        mapping the whole file into this process)."""
+        u = gb.units[k]
+        if not self.nvme:
+            return u.part.to("cpu", copy=True)
+        cached = self._cache.get(id(u))
+        if cached is not None:
+            return cached.clone()
+        self._reseal()
+        buf = self._take_buffer()
+        try:
+            gid, region = self._group_of[id(u)]
+            return self.files[gid].read(region, buf).clone()
+        finally:
+            self._free.append(buf)
+
     def attach(self, coordinator) -> None:
         """Read ahead along *coordinator*'s recorded execution order."""
         self.coordinator = coordinator
