@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -31,7 +32,14 @@ from text_data import GlobalBatchSampler, load_stdlib_text, validation_batches  
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--stage", type=int, choices=(0, 1, 2), default=2, help="ZeRO stage")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage")
+    p.add_argument("--zeropp", action="store_true",
+                   help="ZeRO++ (stage 3): qwZ int8 weight all-gather, hpZ secondary partition "
+                        "inside a node, qgZ int4 gradient all-to-all")
+    p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
+                   help="where the optimizer states live (ZeRO-Offload / ZeRO-Infinity)")
+    p.add_argument("--nvme-path", default=None,
+                   help="directory for --offload nvme (default: a temporary directory)")
     p.add_argument("--comm", choices=("gloo", "mpi"), default=None,
                    help="communication backend (default: mpi under mpirun, gloo otherwise)")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")
@@ -78,7 +86,27 @@ def build_config(args: argparse.Namespace) -> dict:
         cfg["fp16"] = {"enabled": True}
     if args.comm:
         cfg["comm_backend"] = args.comm
+    if args.zeropp:
+        if args.stage != 3:
+            raise SystemExit("--zeropp needs --stage 3 (ZeRO++ extends stage 3)")
+        cfg["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True,
+                                        zero_hpz_partition_size=_ranks_per_node())
+    if args.offload != "none":
+        if args.stage == 0:
+            raise SystemExit("--offload needs --stage 1, 2 or 3")
+        offload = {"device": args.offload}
+        if args.offload == "nvme":
+            offload["nvme_path"] = args.nvme_path or tempfile.gettempdir()
+        cfg["zero_optimization"]["offload_optimizer"] = offload
     return cfg
+
+
+def _ranks_per_node() -> int:
+    """Ranks per (possibly emulated) node: hpZ keeps its secondary partition inside one."""
+    from zero_core.launch import discover
+    from zero_core.topology import resolve_ranks_per_node
+    launch = discover()
+    return resolve_ranks_per_node(launch.world_size, launch.local_world_size).ranks_per_node
 
 
 def default_threads(args: argparse.Namespace) -> int:
@@ -188,7 +216,9 @@ def format_rank_table(reports: list) -> str:
 MIB = 2**20
 # DESIGN §4: model-state bytes per rank for Adam, Ψ parameters, N ranks
 FORMULA_TEXT = {("fp32", 0): "16Ψ", ("fp32", 1): "8Ψ + 8Ψ/N", ("fp32", 2): "4Ψ + 12Ψ/N",
-                ("mixed", 0): "16Ψ", ("mixed", 1): "4Ψ + 12Ψ/N", ("mixed", 2): "2Ψ + 14Ψ/N"}
+                ("fp32", 3): "16Ψ/N",
+                ("mixed", 0): "16Ψ", ("mixed", 1): "4Ψ + 12Ψ/N", ("mixed", 2): "2Ψ + 14Ψ/N",
+                ("mixed", 3): "16Ψ/N"}
 MODEL_STATE_ROWS = (("parameters", "parameters"), ("gradients", "gradients"),
                     ("master_weights", "fp32 master weights"),
                     ("optimizer_states", "optimizer states (Adam m, v)"))
@@ -242,7 +272,9 @@ def format_comm_table(reports: list, stage: int, precision: str, world: int) -> 
     text = "communication per rank (from the ledger)"
     if psi:
         expected = comm_bytes_per_step(stage, psi, world, precision)
-        rows.append(["expected (2Ψ elements, ring)", *([f"{expected / MIB:,.2f}"] * len(reports)), ""])
+        label = ("expected (at most 3Ψ elements, ring)" if stage == 3
+                 else "expected (2Ψ elements, ring)")
+        rows.append([label, *([f"{expected / MIB:,.2f}"] * len(reports)), ""])
     return text + "\n" + _table(header, rows)
 
 

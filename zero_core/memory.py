@@ -79,12 +79,15 @@ def optimizer_k(optimizer_type: str, momentum: float = 0.0) -> int:
 def comm_bytes_per_step(stage: int, num_params: int, world_size: int, precision: str) -> float:
     """Bytes one rank sends per optimizer step (ledger convention, ring algorithms): stage 0
     all-reduces the gradients, 2 (N-1)/N · bΨ; stages 1 and 2 reduce-scatter gradients and
-    all-gather parameters, (N-1)/N · bΨ each — the same 2Ψ elements."""
+    all-gather parameters, (N-1)/N · bΨ each — the same 2Ψ elements; stage 3 all-gathers the
+    parameters in forward and again in backward and reduce-scatters the gradients, 3Ψ
+    elements. For stage 3 this is the upper bound: parameters that persist
+    (stage3_param_persistence_threshold) or are kept from forward to backward
+    (stage3_max_reuse_distance) are not gathered twice."""
     _check(stage, world_size, precision)
-    if stage == 3:
-        raise ValueError("stage 3 moves 3Ψ: not part of this engine yet")
     n, b = world_size, PRECISION_BYTES[precision]
-    return 2 * (n - 1) / n * b * num_params
+    passes = 3 if stage == 3 else 2
+    return passes * (n - 1) / n * b * num_params
 
 
 class MemoryLedger:
