@@ -10,7 +10,7 @@ device, then shards; DeepSpeed: deepspeed.zero.Init; zero-core: zero_core.Init) 
 3 steps in fp32 with AdamW, 4 ranks, 1 sequence of 32 tokens per rank and step
 (ci/bench_workers/largest_rank.py). Every attempt is a job of its own.
 
-Memory cap. All 4 ranks together get ``--budget-gib`` of resident memory (default 14 of the
+Memory cap. All 4 ranks together get ``--budget-gib`` of resident memory (default 12 of the
 machine's 24 GiB, leaving room for the other work on it). A guard thread samples the RSS of
 every process the attempt started ten times a second and kills the attempt when the ranks'
 sum exceeds the budget (the model did not fit), or when the machine's MemAvailable falls under
@@ -24,7 +24,7 @@ sharded engines (16Psi <= budget). Below that bound, a bisection: DDP from nothi
 others starting from DDP's largest (checked by running it, never assumed). The result for a
 contender is a rung that trained and the next rung that did not (or the bound).
 
-    python ci/bench_largest.py                   # the ladder above, 14 GiB budget
+    python ci/bench_largest.py                   # the ladder above, 12 GiB budget
     python ci/bench_largest.py --quick           # three tiny rungs: a smoke run
     python ci/bench_largest.py --only 'ddp,zero-core-3' --budget-gib 10
 """
@@ -306,31 +306,46 @@ def attempt_with_retries(c, rung, a, log: list) -> dict:
 
 def search(c, ladder: list[Rung], lo: int, a, log: list) -> dict:
     """Largest rung that trains for *c*: bisection between *lo* (a rung expected to train,
-    or -1) and the first rung over the model-state bound; *lo* is checked, not assumed."""
+    or -1) and the first rung over the model-state bound; *lo* is checked, not assumed. An
+    attempt the machine aborted (others needed the memory) ends the search unfinished."""
     budget = a.budget_gib * GIB
     hi = next((r.index for r in ladder if bytes_bound(c.name, r.params) > budget), len(ladder))
     lo = min(lo, hi - 1)
     outcome: dict[int, dict] = {}
-    while True:
+    unfinished = None
+
+    def attempt(k: int) -> bool | None:
+        nonlocal unfinished
+        outcome[k] = attempt_with_retries(c, ladder[k], a, log)
+        if outcome[k]["status"] == "aborted":
+            unfinished = f"search unfinished: rung {k} aborted ({outcome[k]['note']})"
+            return None
+        return outcome[k]["status"] == "ok"
+
+    while unfinished is None:
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            outcome[mid] = attempt_with_retries(c, ladder[mid], a, log)
-            if outcome[mid]["status"] == "ok":
-                lo = mid
-            else:
-                hi = mid
-        if lo < 0 or lo in outcome:
+            fits = attempt(mid)
+            if fits is None:
+                break
+            lo, hi = (mid, hi) if fits else (lo, mid)
+        if unfinished or lo < 0 or lo in outcome:
             break
-        outcome[lo] = attempt_with_retries(c, ladder[lo], a, log)
-        if outcome[lo]["status"] == "ok":
+        fits = attempt(lo)
+        if fits is None or fits:
             break
         lo, hi = -1, lo   # the starting point did not train after all: search below it
-    best = outcome.get(lo)
+    best = outcome.get(lo) if lo in outcome and outcome[lo]["status"] == "ok" else None
     nxt = outcome.get(hi)
-    return {"name": c.name, "best": best, "best_rung": lo,
-            "next_rung": hi if hi < len(ladder) else None,
-            "next_outcome": (nxt.get("note") or nxt["status"]) if nxt
-            else ("over the model-state bound (not run)" if hi < len(ladder) else "top of the ladder"),
+    if unfinished:
+        next_outcome = unfinished
+    elif nxt:
+        next_outcome = nxt.get("note") or nxt["status"]
+    else:
+        next_outcome = "over the model-state bound (not run)" if hi < len(ladder) else "top of the ladder"
+    return {"name": c.name, "best": best, "best_rung": lo if best else -1,
+            "next_rung": hi if hi < len(ladder) else None, "next_outcome": next_outcome,
+            "unfinished": bool(unfinished),
             "attempts": len([x for x in log if x["contender"] == c.name])}
 
 
@@ -398,7 +413,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--budget-gib", type=float, default=None,
-                   help="resident memory of all 4 ranks together (GiB; default 14, 4 with --quick)")
+                   help="resident memory of all 4 ranks together (GiB; default 12, 4 with --quick)")
     p.add_argument("--floor-gib", type=float, default=3.0,
                    help="stop an attempt when the machine's MemAvailable drops below this (GiB)")
     p.add_argument("--steps", type=int, default=3, help="training steps per attempt")
@@ -418,7 +433,7 @@ def main(argv=None) -> int:
     p.add_argument("--wait-max-min", type=float, default=60)
     a = p.parse_args(argv)
     if a.budget_gib is None:
-        a.budget_gib = 4.0 if a.quick else 14.0
+        a.budget_gib = 4.0 if a.quick else 12.0
     if a.steps < 1 or not 1 <= a.seq <= 128 or a.micro < 1 or a.budget_gib <= 0:
         p.error("--steps and --micro must be >= 1, --seq in 1..128, --budget-gib > 0")
     ladder = quick_ladder() if a.quick else full_ladder()
