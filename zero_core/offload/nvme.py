@@ -145,15 +145,23 @@ class NvmeStateStore:
                 raise RuntimeError(f"sub-group {key} acquired twice")
             self._last = self._position.get(key, self._last)
             entry = self._reads.pop(key, None)
-        if entry is None:
-            slot = self._take_slot()
-            entry = (slot, self._reader.submit(self._read, key, slot))
-        slot, future = entry
+            # reserved from here on: a pump (the writer thread's too) must not start a
+            # second, soon stale, read of this sub-group
+            self._held[key] = -1
         try:
-            future.result()
+            if entry is None:
+                slot = self._take_slot()
+                entry = (slot, self._reader.submit(self._read, key, slot))
+            slot, future = entry
+            try:
+                future.result()
+            except BaseException:
+                with self._lock:
+                    self._free.append(slot)
+                raise
         except BaseException:
             with self._lock:
-                self._free.append(slot)
+                self._held.pop(key, None)
             raise
         with self._lock:
             self._held[key] = slot
