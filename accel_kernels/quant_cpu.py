@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -104,8 +105,50 @@ def _require_cpu(t: torch.Tensor) -> None:
                          "the quantization kernels of that device (quant_triton, quant_hpu)")
 
 
-def _rows_per_chunk(block_size: int) -> int:
-    return max(1, CHUNK_ELEMENTS // block_size)
+_pool_lock = threading.Lock()
+_pool_state: dict = {}
+
+
+def _workers():
+    """A thread pool whose threads run torch ops single-threaded, or None for 1 thread.
+
+    Why: every torch op is an OpenMP parallel region that ends when *all* its threads
+    are done. On a CPU shared with other processes one of them is often descheduled, and
+    each small op then waits a scheduler time slice: measured on this 2-core VM at load
+    ~5, a 4M-element int4 unpack step took ~8 ms per op with 2 threads vs ~0.1 ms with 1
+    (50M-element int4 dequantize: 870 ms vs 25 ms). So the chunks are spread over
+    torch.get_num_threads() Python threads (torch ops release the GIL), each running its
+    ops with one intra-op thread: they only meet once per call.
+    """
+    n = torch.get_num_threads()
+    if n <= 1:
+        return None
+    with _pool_lock:
+        pool = _pool_state.get(n)
+        if pool is None:
+            # the initializer's torch.set_num_threads(1) makes each worker single-threaded
+            # (ATen keeps it per thread) but also resets the process-wide default: create
+            # every worker now, then restore the default for everyone else
+            pool = ThreadPoolExecutor(n, thread_name_prefix="zero-core-quant",
+                                      initializer=torch.set_num_threads, initargs=(1,))
+            barrier = threading.Barrier(n)
+            list(pool.map(lambda _: barrier.wait(), range(n)))
+            torch.set_num_threads(n)
+            _pool_state[n] = pool
+    return pool
+
+
+def _run_chunks(work, n_rows: int, block_size: int) -> None:
+    """Call ``work(b0, b1)`` over row ranges covering ``0..n_rows`` in parallel chunks."""
+    pool = _workers()
+    lanes = 1 if pool is None else torch.get_num_threads()
+    step = max(1, min(CHUNK_ELEMENTS // block_size, -(-n_rows // lanes)))
+    ranges = [(b0, min(n_rows, b0 + step)) for b0 in range(0, n_rows, step)]
+    if pool is None or len(ranges) == 1:
+        for b0, b1 in ranges:
+            work(b0, b1)
+    else:
+        list(pool.map(lambda r: work(*r), ranges))  # list(): re-raises a worker's error
 
 
 # ------------------------------------------------------------------ quantize core
@@ -141,12 +184,12 @@ def _quantize_chunks(read, numel: int, bits: int, block_size: int, payload: torc
     b0..b1 as float32 rows (r, block_size) in scratch, a partial last block zero padded."""
     nb_full = numel // block_size
     per_byte = 1 if bits == 8 else 2
-    step = _rows_per_chunk(block_size)
-    for b0 in range(0, nb_full, step):
-        b1 = min(nb_full, b0 + step)
+
+    def work(b0: int, b1: int) -> None:
         rows = read(b0, b1, full=True)
         _quantize_rows(rows, bits, payload[b0 * block_size // per_byte:
                                            b1 * block_size // per_byte], scales[b0:b1])
+    _run_chunks(work, nb_full, block_size)
     tail = numel - nb_full * block_size
     if tail:  # the partial last block, zero padded so that it does not change its absmax
         rows = read(nb_full, nb_full + 1, full=False)
@@ -234,15 +277,14 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, bits: int, block_siz
     if flat_out is None:
         flat_out = torch.empty(numel, dtype=dtype)
     payload, scales = payload.reshape(-1), scales.reshape(-1)
-    nb = num_blocks(numel, block_size)
-    step = _rows_per_chunk(block_size)
-    for b0 in range(0, nb, step):
-        b1 = min(nb, b0 + step)
+
+    def work(b0: int, b1: int) -> None:
         dst = _scratch(0, (b1 - b0) * block_size).view(b1 - b0, block_size)
         _dequantize_rows(_payload_rows(payload, b0, b1, block_size, bits, numel),
                          scales[b0:b1], bits, block_size, dst)
         piece = flat_out[b0 * block_size: min(numel, b1 * block_size)]
         piece.copy_(dst.view(-1)[:piece.numel()])
+    _run_chunks(work, num_blocks(numel, block_size), block_size)
     return flat_out if out is None else out
 
 
