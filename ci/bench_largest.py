@@ -128,12 +128,27 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def _is_rank(pid: int) -> bool:
+def _runs_worker(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             return os.path.basename(WORKER).encode() in fh.read()
     except OSError:
         return False
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def rank_pids(pids: list[int]) -> set[int]:
+    """The rank processes among *pids*: those running the worker whose parent does not
+    (a rank's forked helper shares its command line and, copy-on-write, its pages)."""
+    workers = {p for p in pids if _runs_worker(p)}
+    return {p for p in workers if _parent(p) not in workers}
 
 
 class MemoryGuard:
@@ -182,7 +197,7 @@ class MemoryGuard:
             now = time.monotonic()
             if now - last_scan >= self.rescan_s:
                 pids = descendants(me)
-                ranks = {p for p in pids if p in self.peak_rank or _is_rank(p)}
+                ranks = rank_pids(pids)
                 last_scan = now
             total = everything = 0
             alive_ranks = 0
@@ -281,7 +296,10 @@ def run_attempt(c: be.Contender, rung: Rung, a) -> dict:
                 "losses": reports[0]["losses"]}
     if any(code is None for code in codes):
         return {**out, "status": "timeout", "note": f"not done after {a.attempt_timeout:.0f} s"}
-    log = next((r.log for r in results if r.returncode), results[0].log)
+    # the log of a rank that failed on its own, rather than one the guard killed
+    failed = ([r for r in results if r.returncode not in (0, None, -signal.SIGKILL)]
+              or [r for r in results if r.returncode] or results)
+    log = failed[0].log
     note = guard.reason or f"exit statuses {codes}"
     return {**out, "status": "failed", "note": note, "log_tail": log[-3000:]}
 

@@ -13,9 +13,10 @@ one rank, trains ``--steps`` steps in fp32 with AdamW (micro batch ``--micro`` s
   deepspeed  built inside deepspeed.zero.Init, ZeRO-3, torch AdamW as client optimizer
   zero_core  built inside zero_core.Init, stage 3, its AdamW
 
-DeepSpeed and zero-core get the same stage-3 limits, sized to the model: prefetch and reuse
-distance one block's parameters (12 width^2), live window two blocks (FSDP2 frees a block's
-parameters after its forward, which is what these limits ask of the other two).
+DeepSpeed and zero-core get the same stage-3 limits, sized to the model: prefetch, reuse
+distance and gradient reduction bucket one block's parameters (12 width^2), live window two
+blocks (FSDP2 frees a block's parameters after its forward, which is what these limits ask
+of the other two).
 
 The rank raises its own ``oom_score_adj`` to the maximum first, so that if the machine
 itself runs out of memory the kernel kills a benchmark rank rather than anyone else's work.
@@ -51,10 +52,11 @@ def model_config(layers: int, width: int) -> GPTConfig:
 
 
 def stage3_limits(width: int) -> dict:
-    """Stage-3 keys (elements) given to DeepSpeed and zero-core alike."""
+    """Stage-3 keys (elements) given to DeepSpeed and zero-core alike. The gradient bucket
+    too: DeepSpeed's default (5e8 elements) is a 2 GB fp32 buffer per rank."""
     block = 12 * width * width
     return {"stage3_prefetch_bucket_size": block, "stage3_max_reuse_distance": block,
-            "stage3_max_live_parameters": 2 * block,
+            "stage3_max_live_parameters": 2 * block, "reduce_bucket_size": block,
             "stage3_param_persistence_threshold": 100_000}
 
 
