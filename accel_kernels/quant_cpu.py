@@ -13,6 +13,8 @@ Why it is faster (measured on this project's 2-core VM, see ci/bench_kernels.py)
   Here the work is done in chunks of whole blocks through small per-thread scratch
   buffers that are allocated once and stay in cache; only the outputs are new memory,
   and callers that reuse communication buffers pass ``out=`` to avoid even that.
+* Chunks are spread over single-threaded worker threads (see ``_workers``), so the
+  threads meet once per call instead of at the end of every torch op.
 * ``amax`` and ``amin`` over rows are two fast vectorized reductions, where
   ``abs().amax()`` needs a temporary and ``aminmax`` takes a slow path.
 * int4 packing/unpacking treats each pair of int8 lanes as one int16 and moves nibbles
