@@ -56,7 +56,7 @@ def run_size(mode, layers, width, args) -> dict:
     nvme_dir = os.path.join(args.nvme_dir, f"{mode}_{layers}x{width}")
     os.makedirs(nvme_dir, exist_ok=True)
     settings = {"n_layer": layers, "n_embd": width, "mode": mode, "nvme_dir": nvme_dir,
-                "steps": args.steps, "seq": args.seq,
+                "steps": args.steps, "seq": args.seq, "sub_group_size": args.sub_group_size,
                 "rss_limit": int(args.budget_gb * GIB / args.ranks),
                 "data_limit": int(args.budget_gb * GIB),
                 "min_available": int(args.min_available_gb * GIB)}
@@ -136,8 +136,10 @@ def main():
                     help="resident memory for all ranks together (each rank: budget/ranks)")
     ap.add_argument("--min-available-gb", type=float, default=2.5,
                     help="stop a run when the machine's MemAvailable drops below this")
-    ap.add_argument("--stage3-sizes", default="6x2048,8x2048,10x2048,12x2048")
-    ap.add_argument("--nvme-sizes", default="24x2048,28x2048,32x2048,36x2048")
+    ap.add_argument("--stage3-sizes", default="4x2048,6x2048,7x2048,8x2048")
+    ap.add_argument("--nvme-sizes", default="16x2048,18x2048,20x2048,22x2048")
+    ap.add_argument("--sub-group-size", type=int, default=4_000_000,
+                    help="elements per offloaded optimizer sub-group (3 slots of 3 states)")
     ap.add_argument("--modes", default="stage3,nvme")
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--json")

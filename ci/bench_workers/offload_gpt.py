@@ -68,10 +68,10 @@ def checkpoint_blocks(model) -> None:
 
 
 def config(s: dict) -> dict:
-    zo = {"stage": 3, "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 100_000_000,
-          "stage3_prefetch_bucket_size": 50_000_000}
+    zo = {"stage": 3, "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 30_000_000,
+          "stage3_prefetch_bucket_size": 20_000_000}
     if s["mode"] == "nvme":
-        zo["sub_group_size"] = 8_000_000
+        zo["sub_group_size"] = s.get("sub_group_size", 4_000_000)
         zo["offload_optimizer"] = {"device": "nvme", "nvme_path": s["nvme_dir"], "buffer_count": 3}
         zo["offload_param"] = {"device": "nvme", "nvme_path": s["nvme_dir"], "buffer_count": 4,
                                "buffer_size": s.get("buffer_size", 12_000_000), "max_in_cpu": 0}

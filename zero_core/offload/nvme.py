@@ -98,6 +98,7 @@ class NvmeStateStore:
         self._error: BaseException | None = None
         self._closed = False
         self._mapped: set = set()
+        self._waiting = False   # the training thread waits for a slot: no read-ahead now
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="zero-core-swap-in")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zero-core-swap-out")
 
@@ -223,8 +224,9 @@ class NvmeStateStore:
     # ---- slots --------------------------------------------------------------------------------
     def _pump_locked(self) -> None:
         """Start reads of the next sub-groups (cyclic order) into free slots. Lock held."""
-        if self._closed or not self._order or self._error is not None or self._mapped:
-            return
+        if (self._closed or not self._order or self._error is not None or self._mapped
+                or self._waiting):
+            return   # (a sub-group waiting for a slot gets the next free one)
         n = len(self._order)
         for step in range(1, n + 1):
             if not self._free:
@@ -238,6 +240,15 @@ class NvmeStateStore:
     def _take_slot(self) -> int:
         """A free slot for a read the pipeline did not foresee: wait for a write to end,
         or give up the read-ahead that is needed last."""
+        with self._lock:
+            self._waiting = True
+        try:
+            return self._wait_for_slot()
+        finally:
+            with self._lock:
+                self._waiting = False
+
+    def _wait_for_slot(self) -> int:
         while True:
             with self._lock:
                 if self._free:
