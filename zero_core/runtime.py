@@ -123,6 +123,14 @@ def shutdown() -> None:
     """Tear down the communicator and torch.distributed (for tests and clean exits)."""
     global _RUNTIME
     import torch.distributed as dist
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Tear down together: a rank that closes its gloo connections while a peer's
+        # background threads still serve them can make that peer abort at exit
+        # ("terminate called without an active exception", seen under torchrun).
+        try:
+            dist.barrier()
+        except Exception:  # a dead peer: nothing left to synchronize with
+            pass
     if _RUNTIME is not None:
         _RUNTIME.comm.shutdown()
         _RUNTIME = None
