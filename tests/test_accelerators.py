@@ -82,11 +82,11 @@ def _launch(launcher):
     return LaunchInfo(rank=0, world_size=2, local_rank=0, local_world_size=2, launcher=launcher)
 
 
-def test_cpu_default_comm_is_mpi_only_under_an_mpi_launcher_with_mpi4py(monkeypatch):
+def test_cpu_default_comm_under_an_mpi_launcher_is_the_measured_choice(monkeypatch):
     acc = CpuAccelerator()
     for launcher in ("openmpi", "mpich", "pmix"):
         assert acc.default_comm_for(_launch(launcher)) == (
-            "mpi" if module_present("mpi4py") else "gloo")
+            cpu_mod.COMM_UNDER_MPI_LAUNCHER if module_present("mpi4py") else "gloo")
     for launcher in ("torchrun", "slurm", "single"):
         assert acc.default_comm_for(_launch(launcher)) == "gloo"
     monkeypatch.setattr(cpu_mod, "module_present", lambda name: name != "mpi4py")

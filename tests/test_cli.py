@@ -84,7 +84,8 @@ def test_launch_is_read_from_the_launcher_variables(env, capsys):
                                 "local_rank": 1, "local_world_size": 2, "is_mpi": True}
     comm = report["selection"]["communicator"]
     assert comm["source"] == "default of accelerator 'cpu' for launcher 'openmpi'"
-    wanted = "mpi" if module_present("mpi4py") else "gloo"
+    from zero_core.backends.accelerators.cpu import COMM_UNDER_MPI_LAUNCHER
+    wanted = COMM_UNDER_MPI_LAUNCHER if module_present("mpi4py") else "gloo"
     # the built-in communicator modules may not be installed yet: then the error names it
     assert comm.get("name") == wanted or f"'{wanted}'" in comm["error"]
     rows = {a["name"]: a for a in report["accelerators"]}

@@ -51,7 +51,7 @@ def _check_learned(results, communicator: str) -> None:
 
 @pytest.mark.multirank
 def test_demo_under_mpirun_uses_mpi_and_learns():
-    _check_learned(_run_demo("mpirun"), communicator="mpi")
+    _check_learned(_run_demo("mpirun", "--comm", "mpi"), communicator="mpi")
 
 
 @pytest.mark.multirank
