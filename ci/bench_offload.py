@@ -63,7 +63,11 @@ def run_size(mode, layers, width, args) -> dict:
     t = time.perf_counter()
     try:
         results = run_ranks(WORKER, args.ranks, "torchrun", args=[json.dumps(settings)],
-                            env={"ZERO_CORE_COMM": "gloo"}, timeout=args.timeout, check=False)
+                            env={"ZERO_CORE_COMM": "gloo",
+                                 # freed large blocks go back to the system at once (glibc
+                                 # otherwise keeps them, raising the threshold on each free)
+                                 "MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)},
+                            timeout=args.timeout, check=False)
     finally:
         shutil.rmtree(nvme_dir, ignore_errors=True)
     reports = [r.report for r in results]
@@ -136,11 +140,13 @@ def main():
                     help="resident memory for all ranks together (each rank: budget/ranks)")
     ap.add_argument("--min-available-gb", type=float, default=2.5,
                     help="stop a run when the machine's MemAvailable drops below this")
-    ap.add_argument("--stage3-sizes", default="4x2048,6x2048,7x2048,8x2048")
-    ap.add_argument("--nvme-sizes", default="16x2048,18x2048,20x2048,22x2048")
+    ap.add_argument("--stage3-sizes", default="6x2048,7x2048,8x2048,9x2048")
+    ap.add_argument("--nvme-sizes", default="20x2048,24x2048,26x2048,28x2048,30x2048")
     ap.add_argument("--sub-group-size", type=int, default=4_000_000,
                     help="elements per offloaded optimizer sub-group (3 slots of 3 states)")
     ap.add_argument("--modes", default="stage3,nvme")
+    ap.add_argument("--mmap-threshold", type=int, default=1 << 20,
+                    help="MALLOC_MMAP_THRESHOLD_ for the ranks (both modes), bytes")
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--json")
     args = ap.parse_args()
