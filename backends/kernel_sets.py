@@ -8,9 +8,9 @@ cpu        ``accel_kernels.optim_cpu``; else the reference kernels
 cuda       ``accel_kernels.optim_triton`` when triton is installed; else torch's own fused
            ops (``torch._fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_``)
 xpu        as cuda (Triton has an XPU backend; torch's fused ops have XPU kernels)
-hpu        ``accel_kernels.optim_hpu`` (meant to wrap Habana's fused optimizers,
-           ``habana_frameworks.torch.hpex.optimizers.FusedAdamW`` / ``FusedSGD``); else the
-           reference kernels, which Habana's bridge runs as ordinary torch ops on the card
+hpu        ``accel_kernels.optim_hpu`` (Habana's fused optimizers,
+           ``habana_frameworks.torch.hpex.optimizers.FusedAdamW`` / ``FusedSGD``) when
+           habana_frameworks is installed; else the reference kernels
 =========  ==================================================================================
 
 Quantization (ZeRO++): every set also carries ``quantize``, ``dequantize`` and
@@ -226,13 +226,19 @@ def builtin_kernel_sets() -> list[KernelSet]:
     sets.append(_with_quant(_device_set("cuda", reference), *_device_quant_module()))
     sets.append(_with_quant(_device_set("xpu", reference), *_device_quant_module()))
 
-    if module_present(HPU):
-        hpu = KernelSet("hpu", LazyKernel(HPU, "adam_step"), LazyKernel(HPU, "sgd_step"),
-                        info={"implementation": "Habana fused ops", **_names(HPU)})
+    # optim_hpu imports habana_frameworks on its first call, so it is only picked where
+    # that package can be found (as triton is for cuda/xpu)
+    hpu_mod, why = _import_kernels(HPU)
+    if hpu_mod is not None and module_present("habana_frameworks"):
+        hpu = KernelSet("hpu", hpu_mod.adam_step, hpu_mod.sgd_step, info={
+            "implementation": _summary(hpu_mod), **_names(HPU),
+            "note": "momentum SGD with dampening != 0 runs the reference kernel; not yet "
+                    "run on Gaudi hardware (optim_hpu.status() after a step tells the path)"})
     else:
+        why = why or "habana_frameworks is not installed (it ships with Intel Gaudi's stack)"
         hpu = _reference_set(
             "hpu", reference,
-            fallback_reason=f"{HPU} does not exist yet; the reference kernels run as "
-                            f"ordinary torch ops on the card through Habana's bridge")
+            fallback_reason=f"{why}; the reference kernels run as ordinary torch ops on the "
+                            f"card through Habana's bridge")
     sets.append(_with_quant(hpu, QUANT_HPU))
     return sets
