@@ -192,6 +192,9 @@ def test_live_window_is_bounded_by_max_live_parameters(where, tmp_path_factory):
         unit = max(res["tight"]["unit_bytes"])
         # max_live = 1 element: only the unit being used is ever gathered, no prefetch
         assert res["tight"]["live_window_peak"] == unit and res["tight"]["prefetched"] == 0
+        # ... and the memory follows the accounting: after forward no released unit's
+        # buffer is kept alive by autograd's saved views of the weights (saved_views.py)
+        assert res["tight"]["held_after_forward"] == [0, 0, 0]
         # max_live = 600 elements: prefetch happens, the window stays within the bound
         assert res["window"]["prefetched"] > 0
         assert unit < res["window"]["live_window_peak"] <= res["window"]["max_live_parameters"]

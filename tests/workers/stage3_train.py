@@ -354,6 +354,22 @@ class Stack(torch.nn.Module):
         return x
 
 
+def watch_gathered_buffers(gatherer) -> list:
+    """Record (unit, bytes, weak reference to the storage of its gathered buffer) for every
+    unit *gatherer* makes available from now on (the storage, not the tensor: a saved
+    view keeps the storage alive without the tensor object)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    seen = []
+    wait = gatherer.wait
+
+    def recording_wait(u):
+        wait(u)
+        seen.append((u, u.full.numel() * u.full.element_size(),
+                     StorageWeakRef(u.full.untyped_storage())))
+    gatherer.wait = recording_wait
+    return seen
+
+
 def live_window():
     """Peak of the gathered window under three max_live/reuse settings."""
     rt = zero_core.get_runtime()
@@ -364,11 +380,19 @@ def live_window():
         torch.manual_seed(11)
         model = Stack()
         engine, _, _, _ = zero_core.initialize(model=model, config=cfg)
+        buffers = watch_gathered_buffers(engine.gatherer)
+        held = []
         for step in range(3):
             x = torch.randn(MICRO, 16, generator=torch.Generator().manual_seed(step * 10 + rt.rank))
-            engine.backward(engine(x).pow(2).mean())
+            buffers.clear()
+            loss = engine(x).pow(2).mean()
+            # gathered buffers of released units that something (autograd) still holds
+            held.append(sum(nbytes for u, nbytes, ref in buffers
+                            if u.state == "released" and not ref.expired()))
+            engine.backward(loss)
             engine.step()
         rep = engine.memory_report()["stage3"]
+        rep["held_after_forward"] = held
         rep["unit_bytes"] = sorted(u.padded_numel * 4 for u in engine.units if not u.persistent)
         out[name] = rep
         engine.destroy()

@@ -39,6 +39,9 @@ class ParamCoordinator:
         self.prefetched = 0
         # a forward with autograd on ran and its backward has not finished yet
         self.awaiting_backward = False
+        # bumped whenever the partitions may have changed (release_all), so that values
+        # saved for backward before that can tell they are stale (saved_views.py)
+        self.partition_epoch = 0
 
     # ---- passes --------------------------------------------------------------------------
     def start_pass(self, key) -> None:
@@ -109,6 +112,7 @@ class ParamCoordinator:
     def release_all(self) -> None:
         """After the optimizer step: every gathered copy is stale."""
         self.awaiting_backward = False
+        self.partition_epoch += 1
         for u in self.units:
             u.pinned_for_backward = False
             if u.state != "released" and not (u.pins or u.active):

@@ -4,11 +4,11 @@
 flat buffer; ``wait(unit)`` completes it and points every parameter of the unit at its
 view of that buffer; ``release(unit)`` points them back at an empty tensor.
 
-Gathered buffers are never recycled by the engine: autograd may still hold views of a
-released unit's buffer (a view such as ``weight.t()`` saved for backward keeps its own
-reference), and overwriting it would change those saved values. A buffer is freed when
-the last reference goes — for parameters saved directly by autograd (``F.linear`` saves
-the weight itself) that is at release.
+Gathered buffers are never recycled: a buffer is freed when the last reference goes.
+Autograd would hold views of it from forward to backward (``F.linear`` saves
+``weight.t()``); saved_views.py packs those as references to the unit instead, so that
+release frees the buffer. ``live_storage`` maps the storage address of every gathered
+buffer to its unit for that purpose.
 
 Strategy hook: with a *strategy* (ZeRO++, zero_core/zeropp), ``strategy.launch(u,
 for_compute)`` returns ``(full, handle)`` instead of the plain all-gather (``for_compute``
@@ -46,6 +46,7 @@ class UnitGatherer:
         self.peak_live_numel = 0
         self.persistent_numel = 0
         self.gathers = 0
+        self.live_storage: dict[int, FetchUnit] = {}
 
     def _count(self, u: FetchUnit, sign: int) -> None:
         if u.persistent:
@@ -106,6 +107,8 @@ class UnitGatherer:
             meta = pp.meta_of(p)
             pp.attach(p, full.narrow(0, off, meta.numel))
         u.state = "gathered"
+        if full.numel():
+            self.live_storage[full.untyped_storage().data_ptr()] = u
 
     def ensure(self, units) -> None:
         """Start every released unit of *units*, then wait for all of them (so that the
@@ -127,6 +130,8 @@ class UnitGatherer:
             self.part_source.fetched(u)
         for p in u.params:
             pp.release(p)
+        if u.full is not None:
+            self.live_storage.pop(u.full.untyped_storage().data_ptr(), None)
         u.full = None
         u.state = "released"
         self._count(u, -1)

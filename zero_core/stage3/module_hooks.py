@@ -7,6 +7,9 @@ the hooks of the others only keep the stack of running modules (for error messag
 pre-hook also starts a new pass of the execution trace — unless it runs inside backward
 (an activation-checkpoint recompute of the whole model).
 
+While the root module's forward runs, autograd's saved-tensor hooks of saved_views.py are
+installed, so that values saved for backward do not keep gathered units in memory.
+
 Backward: the post-hook registers a gradient hook on every output tensor that requires
 grad; the first of them to fire (the gradient reached the module's outputs, so its
 backward is next) requests the module's units again. Tensor hooks leave the outputs
@@ -19,6 +22,7 @@ import dataclasses
 import torch
 
 from .coordinator import ParamCoordinator
+from .saved_views import SavedViews
 from .units import FetchUnit
 
 EXTERNAL_ATTR = "_zero_core_external_params"
@@ -75,6 +79,7 @@ class ModuleHooks:
         self.unit_of_param = unit_of_param   # id(param) -> FetchUnit
         self.names = names                   # module -> qualified name
         self._handles: dict[torch.nn.Module, list] = {}
+        self.saved_views = SavedViews(coordinator)
         for m in root.modules():
             for p in m.__dict__.get(EXTERNAL_ATTR, []):
                 self._add_unit(m, p)
@@ -84,11 +89,10 @@ class ModuleHooks:
             self._hook(m)
         for m in list(self.module_units):
             self._hook(m)
-        if root not in self._handles:
-            self._handles[root] = [root.register_forward_pre_hook(self._root_pre, prepend=True)]
-        else:
-            self._handles[root].append(root.register_forward_pre_hook(self._root_pre,
-                                                                      prepend=True))
+        self._handles.setdefault(root, []).extend([
+            root.register_forward_pre_hook(self._root_pre, prepend=True),
+            # always_call: a forward that raises must still uninstall the saved-tensor hooks
+            root.register_forward_hook(self._root_post, always_call=True)])
         for m in root.modules():
             m.__dict__["_zero_core_stage3_hooks"] = self
 
@@ -127,6 +131,10 @@ class ModuleHooks:
         if not self.coord.in_backward():
             self.coord.module_stack.clear()  # a forward that raised left its entries
             self.coord.start_pass((module.training, torch.is_grad_enabled()))
+        self.saved_views.enter()
+
+    def _root_post(self, module, args, out):
+        self.saved_views.exit()
 
     def _pre(self, module, args):
         units = self.module_units.get(module)
