@@ -1,11 +1,24 @@
-"""Block-wise int8/int4 quantization on the CPU, fast without a run-time compiler.
+"""Block-wise int8/int4 quantization on the CPU: compiled C when built, else torch.
 
 Same functions, format and edge cases as :mod:`.quant_reference` (see
 :mod:`.quant_layout`), and bit-identical results: the arithmetic is the same IEEE
 operations in the same order (a correctly rounded division by the block's scale,
 round-half-even, the k senders summed sender 0 first).
 
-Why it is faster (measured on this project's 2-core VM, see ci/bench_kernels.py):
+Two paths, chosen once at import (:func:`backend_info` says which; ``zero-core report``
+prints it):
+
+* **native** — the C library built ahead of time when zero-core is installed
+  (accel_kernels/quant_native.c, loaded by :mod:`.quant_native` with ctypes). One pass
+  per block, in cache, vectorized; each call does a range of blocks single-threaded
+  and the chunks run on the worker threads below (ctypes releases the GIL).
+* **torch** — the ``*_torch`` functions of this module, used where the library was not
+  built (no C compiler at install time), is stale, is disabled with
+  ``ZERO_CORE_QUANT_NATIVE=0``, or on big-endian hosts. Kept public so that the
+  benchmark can show both paths.
+
+Why the torch path is as fast as it is (measured on this project's 2-core VM, see
+ci/bench_kernels.py):
 
 * Large temporaries are what make the reference slow: every fresh multi-MB tensor is
   page-faulted in by the kernel at ~3 us per 4 KiB page, which costs more than the
@@ -29,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from . import quant_native
 from .quant_layout import (INT4_OFFSET, QMAX, check_dequant_out, check_input,
                            check_output_dtype, check_payload, check_quant_out, new_quant_out,
                            num_blocks, payload_numel, stack_senders)
@@ -140,11 +154,16 @@ def _workers():
     return pool
 
 
-def _run_chunks(work, n_rows: int, block_size: int) -> None:
-    """Call ``work(b0, b1)`` over row ranges covering ``0..n_rows`` in parallel chunks."""
+def _run_chunks(work, n_rows: int, block_size: int, chunk_elements: int | None = None,
+                min_chunk_elements: int = 0) -> None:
+    """Call ``work(b0, b1)`` over row ranges covering ``0..n_rows`` in parallel chunks of
+    at most *chunk_elements* (default :data:`CHUNK_ELEMENTS`) and, unless the whole job is
+    smaller, at least *min_chunk_elements*."""
     pool = _workers()
     lanes = 1 if pool is None else torch.get_num_threads()
-    step = max(1, min(CHUNK_ELEMENTS // block_size, -(-n_rows // lanes)))
+    chunk = CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
+    step = max(1, min(chunk // block_size, -(-n_rows // lanes)),
+               min_chunk_elements // block_size)
     ranges = [(b0, min(n_rows, b0 + step)) for b0 in range(0, n_rows, step)]
     if pool is None or len(ranges) == 1:
         for b0, b1 in ranges:
@@ -219,7 +238,7 @@ class _RowReader:
         return buf.view(b1 - b0, bs)
 
 
-def quantize(x: torch.Tensor, bits: int, block_size: int, *, out=None):
+def quantize_torch(x: torch.Tensor, bits: int, block_size: int, *, out=None):
     """Quantize *x* (any shape, fp32/fp16/bf16 CPU tensor, read as flat) block-wise.
 
     Returns ``(payload, scales)`` exactly as :func:`.quant_reference.quantize` does;
@@ -264,7 +283,7 @@ def _payload_rows(payload: torch.Tensor, b0: int, b1: int, block_size: int, bits
     return padded
 
 
-def dequantize(payload: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+def dequantize_torch(payload: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
                numel: int, dtype: torch.dtype = torch.float32, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Rebuild *numel* values of *dtype* (flat) from ``quantize``'s output, on the CPU.
@@ -290,7 +309,7 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, bits: int, block_siz
     return flat_out if out is None else out
 
 
-def dequantize_reduce_requantize(payloads, scales, bits: int, block_size: int,
+def dequantize_reduce_requantize_torch(payloads, scales, bits: int, block_size: int,
                                  numel: int | None = None, *, out=None):
     """qgZ's middle hop on the CPU: sum of the k senders' dequantized values, requantized.
 
@@ -325,3 +344,99 @@ class _SumReader:
             if i:
                 acc.add_(part)
         return acc
+
+
+# ------------------------------------------------------------------ the public functions
+
+#: native path: elements per chunk of blocks handed to one C call. Smaller than the torch
+#: path's (a C call has no per-op cost to amortize), so that on a CPU shared with other
+#: processes the worker that is running takes over the chunks of one that is not.
+NATIVE_CHUNK_ELEMENTS = 1 << 20
+#: native path: below this many elements a call runs on the caller's thread (handing
+#: work to the pool costs more than it saves)
+NATIVE_MIN_PARALLEL_ELEMENTS = 1 << 18
+
+
+def native_in_use() -> bool:
+    """True when the public functions run the compiled C library (see :func:`backend_info`)."""
+    # _LITTLE_ENDIAN is checked again so that tests can force the big-endian torch path
+    return quant_native.available() and _LITTLE_ENDIAN
+
+
+def backend_info() -> dict:
+    """What the kernel set reports about this module: the path in use and, for the torch
+    path, why the native library is not used."""
+    if native_in_use():
+        return {"quantize_path": f"native C library, {quant_native.describe()}"}
+    return {"quantize_path": "torch (pure-torch CPU path)",
+            "quantize_native_missing": quant_native.REASON or "big-endian host"}
+
+
+def _run_native(work, numel: int, block_size: int) -> None:
+    _run_chunks(work, num_blocks(numel, block_size), block_size, NATIVE_CHUNK_ELEMENTS,
+                NATIVE_MIN_PARALLEL_ELEMENTS)
+
+
+def quantize(x: torch.Tensor, bits: int, block_size: int, *, out=None):
+    """Quantize *x* (any shape, fp32/fp16/bf16 CPU tensor, read as flat) block-wise.
+
+    Returns ``(payload, scales)`` exactly as :func:`.quant_reference.quantize` does;
+    *out*, an optional preallocated ``(payload, scales)`` pair, receives the result.
+    """
+    if not native_in_use():
+        return quantize_torch(x, bits, block_size, out=out)
+    check_input(x, bits, block_size)
+    _require_cpu(x)
+    flat = x.reshape(-1).contiguous()
+    out = check_quant_out(out, flat.numel(), bits, block_size, x.device)
+    payload, scales = out if out is not None else new_quant_out(flat.numel(), bits,
+                                                               block_size, x.device)
+    _run_native(lambda b0, b1: quant_native.quantize_blocks(flat, bits, block_size, b0, b1,
+                                                            payload, scales),
+                flat.numel(), block_size)
+    return payload, scales
+
+
+def dequantize(payload: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+               numel: int, dtype: torch.dtype = torch.float32, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rebuild *numel* values of *dtype* (flat) from ``quantize``'s output, on the CPU.
+
+    Bit-identical to :func:`.quant_reference.dequantize`; *out* is an optional
+    preallocated flat tensor of *numel* elements of *dtype*.
+    """
+    if not native_in_use():
+        return dequantize_torch(payload, scales, bits, block_size, numel, dtype, out=out)
+    check_payload(payload, scales, bits, block_size, numel)
+    check_output_dtype(dtype)
+    _require_cpu(payload)
+    flat_out = check_dequant_out(out, numel, dtype, payload.device)
+    if flat_out is None:
+        flat_out = torch.empty(numel, dtype=dtype)
+    payload, scales = payload.reshape(-1).contiguous(), scales.reshape(-1).contiguous()
+    _run_native(lambda b0, b1: quant_native.dequantize_blocks(payload, scales, bits,
+                                                              block_size, numel, b0, b1,
+                                                              flat_out),
+                numel, block_size)
+    return flat_out if out is None else out
+
+
+def dequantize_reduce_requantize(payloads, scales, bits: int, block_size: int,
+                                 numel: int | None = None, *, out=None):
+    """qgZ's middle hop on the CPU: sum of the k senders' dequantized values, requantized.
+
+    Bit-identical to :func:`.quant_reference.dequantize_reduce_requantize` (float32 sum,
+    sender 0 first); *out* as in :func:`quantize`.
+    """
+    if not native_in_use():
+        return dequantize_reduce_requantize_torch(payloads, scales, bits, block_size, numel,
+                                                  out=out)
+    p2, s2, numel = stack_senders(payloads, scales, bits, block_size, numel)
+    _require_cpu(p2)
+    out = check_quant_out(out, numel, bits, block_size, p2.device)
+    payload, out_scales = out if out is not None else new_quant_out(numel, bits, block_size,
+                                                                    p2.device)
+    _run_native(lambda b0, b1: quant_native.reduce_blocks(p2, s2, bits, block_size, numel,
+                                                          b0, b1, payload, out_scales),
+                numel, block_size)
+    return payload, out_scales

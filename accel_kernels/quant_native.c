@@ -1,0 +1,501 @@
+/* Block-wise symmetric int8/int4 quantization on the CPU, in plain C (C99).
+ *
+ * The wire format and its edge cases are defined in quant_layout.py; every function here
+ * gives results bit-identical to quant_reference.py. The library is compiled ahead of
+ * time by setup.py when zero-core is installed and loaded with ctypes by quant_native.py:
+ * it uses no Python or torch headers, allocates nothing but a per-call scratch block, and
+ * starts no threads (quant_cpu.py runs chunks of blocks on its worker threads; ctypes
+ * releases the GIL during each call).
+ *
+ * Floating point. Each value goes through the same IEEE float32 operations, in the same
+ * order, as in the reference: scale = absmax / qmax (a correctly rounded division),
+ * q = round_half_even(x / scale) clamped to [-qmax, qmax], value = q * scale, and the
+ * fused kernel's sum is sender 0's value, then + sender 1's, and so on. This holds only
+ * if the compiler neither contracts a*b+c into an FMA (-ffp-contract=off, set by
+ * setup.py) nor reassociates or flushes subnormals (never build with -ffast-math).
+ *
+ * Vectorization is left to the compiler. On x86-64 Linux (glibc) with GCC or Clang the
+ * chunk functions are compiled three times (AVX-512F, AVX2, baseline x86-64) and the
+ * loader picks the best one for the CPU at load time (function multiversioning), so the
+ * build keeps portable flags. IEEE results do not depend on the vector width.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__FAST_MATH__)
+#error "quant_native.c must not be built with -ffast-math: its results must be bit-identical to the IEEE float32 reference"
+#endif
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+/* Bumped whenever a signature below changes; quant_native.py refuses other versions. */
+#define ZC_ABI_VERSION 1
+
+/* setup.py passes the SHA-256 of this file, so the loader can tell a stale build. */
+#ifndef ZC_SOURCE_SHA256
+#define ZC_SOURCE_SHA256 "unknown"
+#endif
+
+/* dtype codes and status codes, mirrored in quant_native.py */
+#define ZC_F32 0
+#define ZC_F16 1
+#define ZC_BF16 2
+
+#define ZC_OK 0
+#define ZC_EINVAL (-1)
+#define ZC_ENOMEM (-2)
+
+#if defined(_WIN32)
+#define ZC_EXPORT __declspec(dllexport)
+#elif defined(__GNUC__)
+#define ZC_EXPORT __attribute__((visibility("default")))
+#else
+#define ZC_EXPORT
+#endif
+
+#if defined(__GNUC__)
+#define ZC_INLINE static inline __attribute__((always_inline))
+#else
+#define ZC_INLINE static inline
+#endif
+
+#if defined(_MSC_VER)
+#define ZC_RESTRICT __restrict
+#else
+#define ZC_RESTRICT restrict
+#endif
+
+/* Function multiversioning needs ifunc support: GCC >= 6 or Clang >= 14, on x86-64
+ * Linux with glibc (<stdint.h> above has defined __GLIBC__ there). Elsewhere, one
+ * portable build. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && \
+    !defined(ZC_NO_TARGET_CLONES) &&                                    \
+    ((defined(__clang__) && __clang_major__ >= 14) ||                   \
+     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 6))
+#define ZC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define ZC_HAVE_CLONES 1
+#else
+#define ZC_CLONES
+#define ZC_HAVE_CLONES 0
+#endif
+
+#define ABS_MASK 0x7fffffffu
+#define INF_BITS 0x7f800000u
+/* float("nan") as torch writes it into a non-finite block's scale */
+#define QNAN_BITS 0x7fc00000u
+/* Adding 1.5 * 2^23 to |v| < 2^22 rounds v to an integer, half to even (the default
+ * rounding mode), and leaves that integer in the low mantissa bits of the sum. */
+#define ROUND_MAGIC 12582912.0f
+#define ROUND_MAGIC_BITS 0x4b400000
+#define INT4_OFFSET 8
+#define INT4_ZERO_BYTE 0x88u /* two nibbles holding q = 0 */
+
+ZC_INLINE uint32_t bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+ZC_INLINE float float_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* ------------------------------------------------------------ 16-bit float conversions
+ * Written without branches so that loops over them vectorize. */
+
+ZC_INLINE float bf16_to_float(uint16_t h) { return float_of((uint32_t)h << 16); }
+
+/* Round to nearest even; NaN stays NaN (quiet, sign kept). */
+ZC_INLINE uint16_t float_to_bf16(float f) {
+    uint32_t x = bits_of(f);
+    uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+    uint32_t nan = (x >> 16) | 0x0040u;
+    return (uint16_t)((x & ABS_MASK) > INF_BITS ? nan : rounded);
+}
+
+/* Exact. */
+ZC_INLINE float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t em = h & 0x7fffu;
+    uint32_t normal = (em << 13) + 0x38000000u; /* exponent bias 15 -> 127 */
+    uint32_t special = (em << 13) | INF_BITS;  /* inf, NaN with its payload */
+    /* zero and subnormals: em units of 2^-24, an exact product in float32 */
+    uint32_t tiny = bits_of((float)(int32_t)em * 0x1p-24f);
+    uint32_t r = em >= 0x7c00u ? special : normal;
+    r = em < 0x0400u ? tiny : r;
+    return float_of(r | sign);
+}
+
+/* Round to nearest even, overflow to inf, NaN to a quiet NaN (sign kept). */
+ZC_INLINE uint16_t float_to_half(float f) {
+    uint32_t x = bits_of(f);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t a = x & ABS_MASK;
+    /* |f| >= 2^-14 (normal half): round the mantissa at bit 13, then rebias 127 -> 15 */
+    uint32_t normal = (a + 0x0fffu + ((a >> 13) & 1u) - 0x38000000u) >> 13;
+    /* |f| < 2^-14: in 0.5 + |f| the last mantissa bit is worth 2^-24, the subnormal
+     * half's step, so the addition rounds |f| to that step, half to even */
+    uint32_t tiny = bits_of(float_of(a) + 0.5f) - 0x3f000000u;
+    uint32_t r = a < 0x38800000u ? tiny : normal;
+    r = a >= 0x477ff000u ? 0x7c00u : r; /* 65520 and above round to inf */
+    r = a > INF_BITS ? 0x7e00u : r;
+    return (uint16_t)(r | sign);
+}
+
+/* ------------------------------------------------------------ one block */
+
+/* Largest |x| as float bits: for non-negative floats the integer order is the float
+ * order, and inf / NaN are exactly the bit patterns >= INF_BITS. */
+ZC_INLINE uint32_t absmax_bits(const float *ZC_RESTRICT x, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t a = bits_of(x[i]) & ABS_MASK;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+/* round_half_even(v) clamped to [-qmax, qmax], for |v| < 2^22. Here |v| < 191: v is
+ * x / s with |x| <= absmax and s = absmax / qmax rounded, at most 2^-150 below the
+ * exact quotient even when it is subnormal, and s > 0. */
+ZC_INLINE int32_t round_clamp(float v, int32_t qmax) {
+    int32_t q = (int32_t)bits_of(v + ROUND_MAGIC) - ROUND_MAGIC_BITS;
+    q = q < -qmax ? -qmax : q;
+    return q > qmax ? qmax : q;
+}
+
+/* The scale of a block whose largest |value| has float bits m. Returns 1 when its values
+ * must be quantized with *s, 0 when its payload is all zeros: a block holding NaN or inf
+ * (scale NaN), a zero block, or one whose absmax / qmax underflows to 0 (the reference
+ * then divides by 1, and round(x) of |x| < 2^-140 is 0). */
+ZC_INLINE int block_scale(uint32_t m, int32_t qmax, float *ZC_RESTRICT scale,
+                          float *ZC_RESTRICT s) {
+    if (m >= INF_BITS) {
+        *scale = float_of(QNAN_BITS);
+        return 0;
+    }
+    *s = float_of(m) / (float)qmax;
+    *scale = *s;
+    return *s > 0.0f;
+}
+
+/* Quantize n <= block_size float32 values (one block, the last one maybe partial) whose
+ * largest |value| has float bits m. The reference pads a partial block with zeros, which
+ * cannot change its absmax. (Multiplying by 1 / s instead of dividing, with a division
+ * only for blocks holding a value near a rounding tie, measured slower here.) */
+ZC_INLINE void quantize_block(const float *ZC_RESTRICT x, int64_t n, uint32_t m, int bits,
+                              uint8_t *ZC_RESTRICT payload, float *ZC_RESTRICT scale) {
+    float s;
+    if (!block_scale(m, bits == 8 ? 127 : 7, scale, &s)) {
+        memset(payload, bits == 8 ? 0 : INT4_ZERO_BYTE, (size_t)(bits == 8 ? n : (n + 1) / 2));
+        return;
+    }
+    if (bits == 8) {
+        int8_t *p = (int8_t *)payload;
+        for (int64_t i = 0; i < n; i++)
+            p[i] = (int8_t)round_clamp(x[i] / s, 127);
+    } else {
+        const int64_t pairs = n / 2;
+        for (int64_t j = 0; j < pairs; j++) {
+            int32_t lo = round_clamp(x[2 * j] / s, 7) + INT4_OFFSET;
+            int32_t hi = round_clamp(x[2 * j + 1] / s, 7) + INT4_OFFSET;
+            payload[j] = (uint8_t)(lo | (hi << 4));
+        }
+        if (n & 1) /* the unused high nibble of an odd-sized payload holds zero */
+            payload[pairs] = (uint8_t)((round_clamp(x[n - 1] / s, 7) + INT4_OFFSET) |
+                                       (INT4_OFFSET << 4));
+    }
+}
+
+/* int4 from values held as even elements lo[j] and odd elements hi[j], j < npairs (the
+ * fused kernel's sums), whose largest |value| has float bits m. */
+ZC_INLINE void quantize_pairs(const float *ZC_RESTRICT lo, const float *ZC_RESTRICT hi,
+                              int64_t npairs, uint32_t m, uint8_t *ZC_RESTRICT payload,
+                              float *ZC_RESTRICT scale) {
+    float s;
+    if (!block_scale(m, 7, scale, &s)) {
+        memset(payload, INT4_ZERO_BYTE, (size_t)npairs);
+        return;
+    }
+    for (int64_t j = 0; j < npairs; j++)
+        payload[j] = (uint8_t)((round_clamp(lo[j] / s, 7) + INT4_OFFSET) |
+                               ((round_clamp(hi[j] / s, 7) + INT4_OFFSET) << 4));
+}
+
+/* the value q of element 2j (low nibble) and 2j+1 (high nibble) of an int4 byte */
+ZC_INLINE float int4_lo(uint8_t byte) { return (float)((int32_t)(byte & 15u) - INT4_OFFSET); }
+ZC_INLINE float int4_hi(uint8_t byte) { return (float)((int32_t)(byte >> 4) - INT4_OFFSET); }
+
+/* dst[i] = q[i] * s for the n values of one block. */
+ZC_INLINE void dequantize_block(const uint8_t *ZC_RESTRICT payload, float s, int bits,
+                                int64_t n, float *ZC_RESTRICT dst) {
+    if (bits == 8) {
+        const int8_t *p = (const int8_t *)payload;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (float)p[i] * s;
+        return;
+    }
+    const int64_t pairs = n / 2;
+    for (int64_t j = 0; j < pairs; j++) {
+        dst[2 * j] = int4_lo(payload[j]) * s;
+        dst[2 * j + 1] = int4_hi(payload[j]) * s;
+    }
+    if (n & 1)
+        dst[n - 1] = int4_lo(payload[pairs]) * s;
+}
+
+/* ------------------------------------------------------------ the fused kernel's sums
+ * Senders are added up to four at a time in one pass over the block (each element's
+ * chain stays in a register: sender 0's value, + sender 1's, ...), so k <= 4 senders
+ * take one pass over a block-sized buffer in L1 and k = 8 two. Sender i's bytes start
+ * at p + i * stride, its scale is sc[i * sstride]. The switch on (g, first) gives the
+ * compiler one simple loop per case to vectorize. */
+
+ZC_INLINE void add_int8(const int8_t *p, int64_t stride, const float *sc, int64_t sstride,
+                        int g, int first, int64_t n, float *ZC_RESTRICT sum) {
+    const int8_t *p0 = p, *p1 = p + stride, *p2 = p + 2 * stride, *p3 = p + 3 * stride;
+    const float s0 = sc[0], s1 = g > 1 ? sc[sstride] : 0.0f;
+    const float s2 = g > 2 ? sc[2 * sstride] : 0.0f, s3 = g > 3 ? sc[3 * sstride] : 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        float acc = first ? (float)p0[j] * s0 : sum[j] + (float)p0[j] * s0;
+        if (g > 1)
+            acc = acc + (float)p1[j] * s1;
+        if (g > 2)
+            acc = acc + (float)p2[j] * s2;
+        if (g > 3)
+            acc = acc + (float)p3[j] * s3;
+        sum[j] = acc;
+    }
+}
+
+/* int4: lo[j] / hi[j] get the even (low nibble) / odd (high nibble) element of byte j */
+ZC_INLINE void add_int4(const uint8_t *p, int64_t stride, const float *sc, int64_t sstride,
+                        int g, int first, int64_t pairs, float *ZC_RESTRICT lo,
+                        float *ZC_RESTRICT hi) {
+    const uint8_t *p0 = p, *p1 = p + stride, *p2 = p + 2 * stride, *p3 = p + 3 * stride;
+    const float s0 = sc[0], s1 = g > 1 ? sc[sstride] : 0.0f;
+    const float s2 = g > 2 ? sc[2 * sstride] : 0.0f, s3 = g > 3 ? sc[3 * sstride] : 0.0f;
+    for (int64_t j = 0; j < pairs; j++) {
+        float a = first ? int4_lo(p0[j]) * s0 : lo[j] + int4_lo(p0[j]) * s0;
+        float b = first ? int4_hi(p0[j]) * s0 : hi[j] + int4_hi(p0[j]) * s0;
+        if (g > 1) {
+            a = a + int4_lo(p1[j]) * s1;
+            b = b + int4_hi(p1[j]) * s1;
+        }
+        if (g > 2) {
+            a = a + int4_lo(p2[j]) * s2;
+            b = b + int4_hi(p2[j]) * s2;
+        }
+        if (g > 3) {
+            a = a + int4_lo(p3[j]) * s3;
+            b = b + int4_hi(p3[j]) * s3;
+        }
+        lo[j] = a;
+        hi[j] = b;
+    }
+}
+
+#define ZC_ADD_CASES(call)                                                              \
+    switch (g * 2 + first) {                                                            \
+    case 3: call(1, 1); break;                                                          \
+    case 2: call(1, 0); break;                                                          \
+    case 5: call(2, 1); break;                                                          \
+    case 4: call(2, 0); break;                                                          \
+    case 7: call(3, 1); break;                                                          \
+    case 6: call(3, 0); break;                                                          \
+    case 9: call(4, 1); break;                                                          \
+    default: call(4, 0); break;                                                         \
+    }
+
+/* sum[j] (int8) or lo[j] / hi[j] (int4, see add_int4) of the k senders' values of one
+ * block of n elements; for odd n (int4) the last byte's unused high nibble gets 0, which
+ * is what the reference's zero padding quantizes to. */
+ZC_INLINE void sum_block(const uint8_t *p, int64_t stride, const float *sc, int64_t sstride,
+                         int64_t k, int bits, int64_t n, float *ZC_RESTRICT lo,
+                         float *ZC_RESTRICT hi) {
+    const int64_t pairs = n / 2;
+    for (int64_t i = 0; i < k; i += 4) {
+        const int g = k - i < 4 ? (int)(k - i) : 4, first = i == 0;
+        const uint8_t *pi = p + i * stride;
+        const float *si = sc + i * sstride;
+        if (bits == 8) {
+#define ZC_CALL8(G, F) add_int8((const int8_t *)pi, stride, si, sstride, G, F, n, lo)
+            ZC_ADD_CASES(ZC_CALL8)
+#undef ZC_CALL8
+        } else {
+#define ZC_CALL4(G, F) add_int4(pi, stride, si, sstride, G, F, pairs, lo, hi)
+            ZC_ADD_CASES(ZC_CALL4)
+#undef ZC_CALL4
+        }
+    }
+    if (bits == 4 && (n & 1)) {
+        float a = int4_lo(p[pairs]) * sc[0];
+        for (int64_t i = 1; i < k; i++)
+            a = a + int4_lo(p[i * stride + pairs]) * sc[i * sstride];
+        lo[pairs] = a;
+        hi[pairs] = 0.0f;
+    }
+}
+
+ZC_INLINE void load_block(const void *src, int dtype, int64_t first, int64_t n,
+                          float *ZC_RESTRICT dst) {
+    const uint16_t *h = (const uint16_t *)src + first;
+    if (dtype == ZC_BF16)
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = bf16_to_float(h[i]);
+    else
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = half_to_float(h[i]);
+}
+
+ZC_INLINE void store_block(const float *ZC_RESTRICT src, int64_t n, void *dst, int dtype,
+                           int64_t first) {
+    uint16_t *h = (uint16_t *)dst + first;
+    if (dtype == ZC_BF16)
+        for (int64_t i = 0; i < n; i++)
+            h[i] = float_to_bf16(src[i]);
+    else
+        for (int64_t i = 0; i < n; i++)
+            h[i] = float_to_half(src[i]);
+}
+
+/* ------------------------------------------------------------ argument checks */
+
+static int check_range(int bits, int64_t block_size, int64_t numel, int64_t block_begin,
+                       int64_t block_end) {
+    if ((bits != 8 && bits != 4) || block_size < 1 || (bits == 4 && (block_size & 1)) ||
+        numel < 0)
+        return ZC_EINVAL;
+    int64_t blocks = numel / block_size + (numel % block_size != 0);
+    if (block_begin < 0 || block_end < block_begin || block_end > blocks)
+        return ZC_EINVAL;
+    return ZC_OK;
+}
+
+ZC_INLINE int64_t block_numel(int64_t b, int64_t block_size, int64_t numel) {
+    int64_t left = numel - b * block_size;
+    return left < block_size ? left : block_size;
+}
+
+ZC_INLINE int64_t payload_offset(int64_t element, int bits) {
+    return bits == 8 ? element : element / 2;
+}
+
+/* ------------------------------------------------------------ exported API */
+
+ZC_EXPORT int zc_abi_version(void) { return ZC_ABI_VERSION; }
+
+ZC_EXPORT const char *zc_source_sha256(void) { return ZC_SOURCE_SHA256; }
+
+/* Which compiled variant the loader's dispatch runs on this CPU (same order as the
+ * target_clones list: the first the CPU supports). */
+ZC_EXPORT const char *zc_isa(void) {
+#if ZC_HAVE_CLONES
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f"))
+        return "avx512f";
+    if (__builtin_cpu_supports("avx2"))
+        return "avx2";
+    return "x86-64 baseline";
+#else
+    return "portable C (no multiversioning)";
+#endif
+}
+
+/* Quantize blocks [block_begin, block_end) of the flat tensor x (numel elements of
+ * dtype ZC_F32 / ZC_F16 / ZC_BF16) into payload (the whole tensor's payload: numel
+ * int8 bytes, or ceil(numel / 2) int4 bytes) and scales (one float32 per block). */
+ZC_CLONES ZC_EXPORT int zc_quantize(const void *x, int dtype, int64_t numel, int bits,
+                                    int64_t block_size, int64_t block_begin,
+                                    int64_t block_end, void *payload, float *scales) {
+    int rc = check_range(bits, block_size, numel, block_begin, block_end);
+    if (rc != ZC_OK || (dtype != ZC_F32 && dtype != ZC_F16 && dtype != ZC_BF16))
+        return ZC_EINVAL;
+    uint8_t *out = (uint8_t *)payload;
+    float *tile = NULL;
+    if (dtype != ZC_F32) {
+        tile = (float *)malloc((size_t)block_size * sizeof(float));
+        if (!tile)
+            return ZC_ENOMEM;
+    }
+    for (int64_t b = block_begin; b < block_end; b++) {
+        int64_t first = b * block_size, n = block_numel(b, block_size, numel);
+        const float *values;
+        if (dtype == ZC_F32) {
+            values = (const float *)x + first;
+        } else {
+            load_block(x, dtype, first, n, tile);
+            values = tile;
+        }
+        quantize_block(values, n, absmax_bits(values, n), bits,
+                       out + payload_offset(first, bits), scales + b);
+    }
+    free(tile);
+    return ZC_OK;
+}
+
+/* Dequantize blocks [block_begin, block_end) into out, the whole flat output of numel
+ * elements of dtype. */
+ZC_CLONES ZC_EXPORT int zc_dequantize(const void *payload, const float *scales, int bits,
+                                      int64_t block_size, int64_t numel,
+                                      int64_t block_begin, int64_t block_end, void *out,
+                                      int dtype) {
+    int rc = check_range(bits, block_size, numel, block_begin, block_end);
+    if (rc != ZC_OK || (dtype != ZC_F32 && dtype != ZC_F16 && dtype != ZC_BF16))
+        return ZC_EINVAL;
+    const uint8_t *in = (const uint8_t *)payload;
+    float *tile = NULL;
+    if (dtype != ZC_F32) {
+        tile = (float *)malloc((size_t)block_size * sizeof(float));
+        if (!tile)
+            return ZC_ENOMEM;
+    }
+    for (int64_t b = block_begin; b < block_end; b++) {
+        int64_t first = b * block_size, n = block_numel(b, block_size, numel);
+        float *dst = dtype == ZC_F32 ? (float *)out + first : tile;
+        dequantize_block(in + payload_offset(first, bits), scales[b], bits, n, dst);
+        if (dtype != ZC_F32)
+            store_block(tile, n, out, dtype, first);
+    }
+    free(tile);
+    return ZC_OK;
+}
+
+/* qgZ's middle hop for blocks [block_begin, block_end): the k senders' payloads start
+ * payload_stride bytes apart (row i = sender i), their scales scale_stride floats apart;
+ * each block's float32 sum (sender 0 first) is quantized into out_payload / out_scales
+ * (the whole outputs, as in zc_quantize). */
+ZC_CLONES ZC_EXPORT int zc_dequantize_reduce_requantize(
+    const void *payloads, int64_t payload_stride, const float *scales, int64_t scale_stride,
+    int64_t k, int bits, int64_t block_size, int64_t numel, int64_t block_begin,
+    int64_t block_end, void *out_payload, float *out_scales) {
+    int rc = check_range(bits, block_size, numel, block_begin, block_end);
+    if (rc != ZC_OK || k < 1 || payload_stride < 0 || scale_stride < 0)
+        return ZC_EINVAL;
+    const uint8_t *in = (const uint8_t *)payloads;
+    uint8_t *out = (uint8_t *)out_payload;
+    /* int8: the block's sums; int4: its even sums, then its odd sums */
+    float *sum = (float *)malloc(((size_t)block_size + 2) * sizeof(float));
+    if (!sum)
+        return ZC_ENOMEM;
+    float *odd = sum + block_size / 2 + 1;
+    for (int64_t b = block_begin; b < block_end; b++) {
+        int64_t first = b * block_size, n = block_numel(b, block_size, numel);
+        int64_t off = payload_offset(first, bits);
+        sum_block(in + off, payload_stride, scales + b, scale_stride, k, bits, n, sum, odd);
+        if (bits == 8) {
+            quantize_block(sum, n, absmax_bits(sum, n), 8, out + off, out_scales + b);
+        } else {
+            const int64_t nbytes = (n + 1) / 2;
+            uint32_t m = absmax_bits(sum, nbytes), m_odd = absmax_bits(odd, nbytes);
+            quantize_pairs(sum, odd, nbytes, m > m_odd ? m : m_odd, out + off,
+                           out_scales + b);
+        }
+    }
+    free(sum);
+    return ZC_OK;
+}
