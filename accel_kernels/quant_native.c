@@ -67,18 +67,20 @@
 #define ZC_RESTRICT restrict
 #endif
 
-/* Function multiversioning needs ifunc support: GCC >= 6 or Clang >= 14, on x86-64
- * Linux with glibc (<stdint.h> above has defined __GLIBC__ there). Elsewhere, one
- * portable build. */
-#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && \
-    !defined(ZC_NO_TARGET_CLONES) &&                                    \
-    ((defined(__clang__) && __clang_major__ >= 14) ||                   \
-     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 6))
-#define ZC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#define ZC_HAVE_CLONES 1
+/* Instruction-set levels. On x86-64 with GCC or Clang every kernel is compiled three
+ * times: for AVX-512 (F/BW/DQ/VL, about x86-64-v4), for AVX2 (about x86-64-v3) and for the
+ * x86-64 baseline; zc_best_level() says which the CPU (and OS) supports and each call
+ * names the one to run, so the build keeps portable flags and tests can run every level
+ * the machine has. Measured on an AVX-512 CPU, per element and thread: int8 quantize
+ * 0.11 ns at level 2, 0.18 ns with AVX-512F alone (no byte/word instructions to narrow
+ * to int8), 0.9 ns at baseline. Other compilers and CPUs get one portable build. */
+#if (defined(__x86_64__) || defined(__amd64__)) && defined(__GNUC__) && \
+    !defined(ZC_NO_LEVELS) && (defined(__clang__) || __GNUC__ >= 8)
+#define ZC_LEVELS 3
+#define ZC_TARGET_2 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,bmi,bmi2,popcnt")))
+#define ZC_TARGET_1 __attribute__((target("avx2,bmi,bmi2,popcnt")))
 #else
-#define ZC_CLONES
-#define ZC_HAVE_CLONES 0
+#define ZC_LEVELS 1
 #endif
 
 #define ABS_MASK 0x7fffffffu
@@ -385,33 +387,12 @@ ZC_INLINE int64_t payload_offset(int64_t element, int bits) {
     return bits == 8 ? element : element / 2;
 }
 
-/* ------------------------------------------------------------ exported API */
+/* ------------------------------------------------------------ chunk kernels */
 
-ZC_EXPORT int zc_abi_version(void) { return ZC_ABI_VERSION; }
-
-ZC_EXPORT const char *zc_source_sha256(void) { return ZC_SOURCE_SHA256; }
-
-/* Which compiled variant the loader's dispatch runs on this CPU (same order as the
- * target_clones list: the first the CPU supports). */
-ZC_EXPORT const char *zc_isa(void) {
-#if ZC_HAVE_CLONES
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f"))
-        return "avx512f";
-    if (__builtin_cpu_supports("avx2"))
-        return "avx2";
-    return "x86-64 baseline";
-#else
-    return "portable C (no multiversioning)";
-#endif
-}
-
-/* Quantize blocks [block_begin, block_end) of the flat tensor x (numel elements of
- * dtype ZC_F32 / ZC_F16 / ZC_BF16) into payload (the whole tensor's payload: numel
- * int8 bytes, or ceil(numel / 2) int4 bytes) and scales (one float32 per block). */
-ZC_CLONES ZC_EXPORT int zc_quantize(const void *x, int dtype, int64_t numel, int bits,
-                                    int64_t block_size, int64_t block_begin,
-                                    int64_t block_end, void *payload, float *scales) {
+/* the body of zc_quantize (see there), compiled once per level */
+ZC_INLINE int quantize_impl(const void *x, int dtype, int64_t numel, int bits,
+                            int64_t block_size, int64_t block_begin, int64_t block_end,
+                            void *payload, float *scales) {
     int rc = check_range(bits, block_size, numel, block_begin, block_end);
     if (rc != ZC_OK || (dtype != ZC_F32 && dtype != ZC_F16 && dtype != ZC_BF16))
         return ZC_EINVAL;
@@ -438,12 +419,10 @@ ZC_CLONES ZC_EXPORT int zc_quantize(const void *x, int dtype, int64_t numel, int
     return ZC_OK;
 }
 
-/* Dequantize blocks [block_begin, block_end) into out, the whole flat output of numel
- * elements of dtype. */
-ZC_CLONES ZC_EXPORT int zc_dequantize(const void *payload, const float *scales, int bits,
-                                      int64_t block_size, int64_t numel,
-                                      int64_t block_begin, int64_t block_end, void *out,
-                                      int dtype) {
+/* the body of zc_dequantize */
+ZC_INLINE int dequantize_impl(const void *payload, const float *scales, int bits,
+                              int64_t block_size, int64_t numel, int64_t block_begin,
+                              int64_t block_end, void *out, int dtype) {
     int rc = check_range(bits, block_size, numel, block_begin, block_end);
     if (rc != ZC_OK || (dtype != ZC_F32 && dtype != ZC_F16 && dtype != ZC_BF16))
         return ZC_EINVAL;
@@ -465,11 +444,8 @@ ZC_CLONES ZC_EXPORT int zc_dequantize(const void *payload, const float *scales, 
     return ZC_OK;
 }
 
-/* qgZ's middle hop for blocks [block_begin, block_end): the k senders' payloads start
- * payload_stride bytes apart (row i = sender i), their scales scale_stride floats apart;
- * each block's float32 sum (sender 0 first) is quantized into out_payload / out_scales
- * (the whole outputs, as in zc_quantize). */
-ZC_CLONES ZC_EXPORT int zc_dequantize_reduce_requantize(
+/* the body of zc_dequantize_reduce_requantize */
+ZC_INLINE int reduce_impl(
     const void *payloads, int64_t payload_stride, const float *scales, int64_t scale_stride,
     int64_t k, int bits, int64_t block_size, int64_t numel, int64_t block_begin,
     int64_t block_end, void *out_payload, float *out_scales) {
@@ -498,4 +474,123 @@ ZC_CLONES ZC_EXPORT int zc_dequantize_reduce_requantize(
     }
     free(sum);
     return ZC_OK;
+}
+
+/* ------------------------------------------------------------ levels */
+
+#define ZC_QUANTIZE_BODY                                                                  \
+    (const void *x, int dtype, int64_t numel, int bits, int64_t block_size,                \
+     int64_t block_begin, int64_t block_end, void *payload, float *scales) {              \
+        return quantize_impl(x, dtype, numel, bits, block_size, block_begin, block_end,   \
+                             payload, scales);                                            \
+    }
+#define ZC_DEQUANTIZE_BODY                                                                \
+    (const void *payload, const float *scales, int bits, int64_t block_size,               \
+     int64_t numel, int64_t block_begin, int64_t block_end, void *out, int dtype) {        \
+        return dequantize_impl(payload, scales, bits, block_size, numel, block_begin,      \
+                               block_end, out, dtype);                                    \
+    }
+#define ZC_REDUCE_BODY                                                                    \
+    (const void *payloads, int64_t payload_stride, const float *scales,                    \
+     int64_t scale_stride, int64_t k, int bits, int64_t block_size, int64_t numel,         \
+     int64_t block_begin, int64_t block_end, void *out_payload, float *out_scales) {       \
+        return reduce_impl(payloads, payload_stride, scales, scale_stride, k, bits,        \
+                           block_size, numel, block_begin, block_end, out_payload,         \
+                           out_scales);                                                   \
+    }
+
+static int quantize_0 ZC_QUANTIZE_BODY
+static int dequantize_0 ZC_DEQUANTIZE_BODY
+static int reduce_0 ZC_REDUCE_BODY
+#if ZC_LEVELS > 1
+ZC_TARGET_1 static int quantize_1 ZC_QUANTIZE_BODY
+ZC_TARGET_1 static int dequantize_1 ZC_DEQUANTIZE_BODY
+ZC_TARGET_1 static int reduce_1 ZC_REDUCE_BODY
+ZC_TARGET_2 static int quantize_2 ZC_QUANTIZE_BODY
+ZC_TARGET_2 static int dequantize_2 ZC_DEQUANTIZE_BODY
+ZC_TARGET_2 static int reduce_2 ZC_REDUCE_BODY
+#endif
+
+/* ------------------------------------------------------------ exported API */
+
+ZC_EXPORT int zc_abi_version(void) { return ZC_ABI_VERSION; }
+
+ZC_EXPORT const char *zc_source_sha256(void) { return ZC_SOURCE_SHA256; }
+
+/* The highest level this CPU and OS support (0 where there is only the portable build),
+ * found once when the library is loaded. */
+#if ZC_LEVELS > 1
+static int best_level;
+
+__attribute__((constructor)) static void find_best_level(void) {
+    __builtin_cpu_init(); /* its checks include that the OS saves AVX / AVX-512 registers */
+    int level1 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
+                 __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
+    int level2 = level1 && __builtin_cpu_supports("avx512f") &&
+                 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                 __builtin_cpu_supports("avx512vl");
+    best_level = level2 ? 2 : level1 ? 1 : 0;
+}
+#else
+static const int best_level = 0;
+#endif
+
+ZC_EXPORT int zc_best_level(void) { return best_level; }
+
+ZC_EXPORT const char *zc_level_name(int level) {
+#if ZC_LEVELS > 1
+    static const char *names[] = {"x86-64 baseline (SSE2)", "AVX2", "AVX-512"};
+    return level >= 0 && level < ZC_LEVELS ? names[level] : "unknown";
+#else
+    return level == 0 ? "portable C" : "unknown";
+#endif
+}
+
+/* The kernels take the level to run first; a level above zc_best_level() is refused. */
+#if ZC_LEVELS > 1
+#define ZC_DISPATCH(level, fn, args)                                                      \
+    do {                                                                                  \
+        if (level < 0 || level > best_level)                                         \
+            return ZC_EINVAL;                                                             \
+        return level == 2 ? fn##_2 args : level == 1 ? fn##_1 args : fn##_0 args;         \
+    } while (0)
+#else
+#define ZC_DISPATCH(level, fn, args)                                                      \
+    do {                                                                                  \
+        return level == 0 ? fn##_0 args : ZC_EINVAL;                                      \
+    } while (0)
+#endif
+
+/* Quantize blocks [block_begin, block_end) of the flat tensor x (numel elements of
+ * dtype ZC_F32 / ZC_F16 / ZC_BF16) into payload (the whole tensor's payload: numel
+ * int8 bytes, or ceil(numel / 2) int4 bytes) and scales (one float32 per block). */
+ZC_EXPORT int zc_quantize(int level, const void *x, int dtype, int64_t numel, int bits,
+                          int64_t block_size, int64_t block_begin, int64_t block_end,
+                          void *payload, float *scales) {
+    ZC_DISPATCH(level, quantize, (x, dtype, numel, bits, block_size, block_begin, block_end,
+                                  payload, scales));
+}
+
+/* Dequantize blocks [block_begin, block_end) into out, the whole flat output of numel
+ * elements of dtype. */
+ZC_EXPORT int zc_dequantize(int level, const void *payload, const float *scales, int bits,
+                            int64_t block_size, int64_t numel, int64_t block_begin,
+                            int64_t block_end, void *out, int dtype) {
+    ZC_DISPATCH(level, dequantize, (payload, scales, bits, block_size, numel, block_begin,
+                                    block_end, out, dtype));
+}
+
+/* qgZ's middle hop for blocks [block_begin, block_end): the k senders' payloads start
+ * payload_stride bytes apart (row i = sender i), their scales scale_stride floats apart;
+ * each block's float32 sum (sender 0 first) is quantized into out_payload / out_scales
+ * (the whole outputs, as in zc_quantize). */
+ZC_EXPORT int zc_dequantize_reduce_requantize(int level, const void *payloads,
+                                              int64_t payload_stride, const float *scales,
+                                              int64_t scale_stride, int64_t k, int bits,
+                                              int64_t block_size, int64_t numel,
+                                              int64_t block_begin, int64_t block_end,
+                                              void *out_payload, float *out_scales) {
+    ZC_DISPATCH(level, reduce, (payloads, payload_stride, scales, scale_stride, k, bits,
+                                block_size, numel, block_begin, block_end, out_payload,
+                                out_scales));
 }

@@ -43,11 +43,13 @@ _SIGNATURES = {
     # name: (argument types, result type)
     "zc_abi_version": ([], _int),
     "zc_source_sha256": ([], ctypes.c_char_p),
-    "zc_isa": ([], ctypes.c_char_p),
-    "zc_quantize": ([_ptr, _int, _i64, _int, _i64, _i64, _i64, _ptr, _ptr], _int),
-    "zc_dequantize": ([_ptr, _ptr, _int, _i64, _i64, _i64, _i64, _ptr, _int], _int),
-    "zc_dequantize_reduce_requantize": ([_ptr, _i64, _ptr, _i64, _i64, _int, _i64, _i64,
-                                         _i64, _i64, _ptr, _ptr], _int),
+    "zc_best_level": ([], _int),
+    "zc_level_name": ([_int], ctypes.c_char_p),
+    # each kernel takes the instruction-set level to run first
+    "zc_quantize": ([_int, _ptr, _int, _i64, _int, _i64, _i64, _i64, _ptr, _ptr], _int),
+    "zc_dequantize": ([_int, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _ptr, _int], _int),
+    "zc_dequantize_reduce_requantize": ([_int, _ptr, _i64, _ptr, _i64, _i64, _int, _i64,
+                                         _i64, _i64, _i64, _ptr, _ptr], _int),
 }
 
 
@@ -99,6 +101,18 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 
 
 LIB, REASON = _load()
+#: instruction-set level the kernels run at: the best this CPU supports (see
+#: quant_native.c; 2 = AVX-512, 1 = AVX2, 0 = baseline / portable build)
+LEVEL = LIB.zc_best_level() if LIB is not None else None
+
+
+def levels() -> list[int]:
+    """Every level this CPU can run (tests check each against the reference)."""
+    return [] if LIB is None else list(range(LIB.zc_best_level() + 1))
+
+
+def level_name(level: int) -> str:
+    return LIB.zc_level_name(level).decode()
 
 
 def available() -> bool:
@@ -110,7 +124,7 @@ def describe() -> str:
     """One line for reports: the library and the variant the CPU runs, or why not used."""
     if LIB is None:
         return f"not used: {REASON}"
-    return f"{library_path()} ({LIB.zc_isa().decode()} code path)"
+    return f"{library_path()} ({level_name(LEVEL)} code, the best this CPU runs)"
 
 
 def _check(rc: int, what: str) -> None:
@@ -121,27 +135,28 @@ def _check(rc: int, what: str) -> None:
 
 
 def quantize_blocks(x: torch.Tensor, bits: int, block_size: int, b0: int, b1: int,
-                    payload: torch.Tensor, scales: torch.Tensor) -> None:
+                    payload: torch.Tensor, scales: torch.Tensor,
+                    level: int | None = None) -> None:
     """Quantize blocks b0..b1 of the flat contiguous fp32/fp16/bf16 *x* into the whole
-    *payload* / *scales* of its layout."""
-    _check(LIB.zc_quantize(x.data_ptr(), DTYPE_CODES[x.dtype], x.numel(), bits, block_size,
+    *payload* / *scales* of its layout. *level*: instruction-set level (default LEVEL)."""
+    _check(LIB.zc_quantize(LEVEL if level is None else level, x.data_ptr(), DTYPE_CODES[x.dtype], x.numel(), bits, block_size,
                            b0, b1, payload.data_ptr(), scales.data_ptr()), "quantize")
 
 
 def dequantize_blocks(payload: torch.Tensor, scales: torch.Tensor, bits: int,
-                      block_size: int, numel: int, b0: int, b1: int,
-                      out: torch.Tensor) -> None:
+                      block_size: int, numel: int, b0: int, b1: int, out: torch.Tensor,
+                      level: int | None = None) -> None:
     """Dequantize blocks b0..b1 into the flat contiguous *out* of *numel* elements."""
-    _check(LIB.zc_dequantize(payload.data_ptr(), scales.data_ptr(), bits, block_size, numel,
+    _check(LIB.zc_dequantize(LEVEL if level is None else level, payload.data_ptr(), scales.data_ptr(), bits, block_size, numel,
                              b0, b1, out.data_ptr(), DTYPE_CODES[out.dtype]), "dequantize")
 
 
 def reduce_blocks(p2: torch.Tensor, s2: torch.Tensor, bits: int, block_size: int,
                   numel: int, b0: int, b1: int, payload: torch.Tensor,
-                  scales: torch.Tensor) -> None:
+                  scales: torch.Tensor, level: int | None = None) -> None:
     """Sum of the k senders' (rows of the contiguous *p2* / *s2*) dequantized blocks
     b0..b1, sender 0 first, quantized into *payload* / *scales*."""
     _check(LIB.zc_dequantize_reduce_requantize(
-        p2.data_ptr(), p2.stride(0), s2.data_ptr(), s2.stride(0), p2.shape[0], bits,
+        LEVEL if level is None else level, p2.data_ptr(), p2.stride(0), s2.data_ptr(), s2.stride(0), p2.shape[0], bits,
         block_size, numel, b0, b1, payload.data_ptr(), scales.data_ptr()),
         "dequantize_reduce_requantize")

@@ -17,7 +17,9 @@ Quantization (ZeRO++): every set also carries ``quantize``, ``dequantize`` and
 ``dequantize_reduce_requantize`` in its ``extra`` dict (signatures and wire format:
 ``accel_kernels.quant_layout``), from ``quant_cpu`` (cpu), ``quant_triton`` (cuda, xpu; when
 triton is installed), ``quant_hpu`` (hpu) or ``quant_reference`` (reference, and the
-fallback of the others); ``info["quantize"]`` names the module. The engine reaches them only
+fallback of the others); ``info["quantize"]`` names the module, and for ``quant_cpu``
+``info["quantize_path"]`` says whether its compiled C library or its torch path runs (with
+``info["quantize_native_missing"]``: why not native). The engine reaches them only
 through ``runtime.kernels.extra``.
 
 Each KernelSet's ``info`` names the functions that back it and, for a fallback, why;
@@ -167,6 +169,9 @@ def _quant_extra(module: str, lazy: bool = False) -> tuple[dict, dict]:
         if mod is None:
             return {}, {"quantize": f"none ({why})"}
         info = {"quantize": QUANT_REFERENCE, "quantize_fallback_reason": why}
+    # a module with several code paths says which one runs (quant_cpu: native C or torch)
+    if hasattr(mod, "backend_info"):
+        info.update(mod.backend_info())
     return {k: getattr(mod, k) for k in QUANT_KERNELS}, info
 
 
