@@ -1,4 +1,5 @@
-"""Stage 3's saved-tensor hooks (zero_core/stage3/saved_views.py) in one process.
+"""Stage 3 in one process: the saved-tensor hooks (zero_core/stage3/saved_views.py) and
+unregistering an external parameter.
 
 The multi-rank tests (test_stage3_multirank.py) check that training with them matches the
 single-process reference and that no released unit's buffer stays alive after forward;
@@ -12,12 +13,37 @@ import torch
 
 import zero_core
 from zero_core.errors import ZeroCoreError
+from zero_core.stage3.partitioned_params import ParameterNotGatheredError
 
 
-def make_engine(seed: int):
+class ReadsAnotherModulesWeight(torch.nn.Module):
+    """The head reads the first layer's weight in its own forward (an external parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(12, 16)
+        self.head = Head(self.first)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.first(x)))
+
+
+class Head(torch.nn.Module):
+    def __init__(self, first):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.__dict__["first"] = first     # not a submodule: only its weight is read
+
+    def forward(self, h):
+        return torch.tanh(self.proj(h)) @ self.first.weight
+
+
+def make_engine(seed: int, model=None):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(),
-                                torch.nn.Linear(16, 12), torch.nn.Tanh(), torch.nn.Linear(12, 4))
+    if model is None:
+        model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 12), torch.nn.Tanh(),
+                                    torch.nn.Linear(12, 4))
     cfg = {"train_micro_batch_size_per_gpu": 3,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
            # one unit per weight, nothing persistent, nothing kept gathered after use
@@ -71,5 +97,24 @@ def test_backward_after_a_step_is_an_error_not_new_values(seed):
         engine.step()
         with pytest.raises(ZeroCoreError, match="before the last optimizer step"):
             engine.backward(stale)
+    finally:
+        engine.destroy()
+
+
+def test_unregistered_external_parameter_is_no_longer_gathered(seed):
+    model = ReadsAnotherModulesWeight()
+    zero_core.register_external_parameter(model.head, model.first.weight)
+    reference = ReadsAnotherModulesWeight()
+    reference.load_state_dict(model.state_dict())
+    engine = make_engine(seed, model)
+    try:
+        x = torch.randn(3, 12, generator=torch.Generator().manual_seed(seed))
+        out = engine(x)
+        assert torch.allclose(out, reference(x), rtol=1e-6, atol=1e-6), f"seed {seed}"
+        engine.backward(out.pow(2).mean())
+        engine.step()
+        zero_core.unregister_external_parameter(model.head, model.first.weight)
+        with pytest.raises(ParameterNotGatheredError, match="first.weight"):
+            engine(x)
     finally:
         engine.destroy()
