@@ -26,9 +26,10 @@ def import_mpi():
     return MPI
 
 
-def _free_port() -> int:
+def free_port(host: str = "") -> int:
+    """A TCP port the OS reports free on *host* ("" = every interface) right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -86,7 +87,7 @@ def ensure_master_addr(launch: LaunchInfo) -> None:
     """Set MASTER_ADDR / MASTER_PORT for torch.distributed's env:// rendezvous if unset."""
     if launch.world_size == 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         return
     if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
         return
@@ -102,7 +103,7 @@ def ensure_master_addr(launch: LaunchInfo) -> None:
     if comm.Get_rank() == 0:
         hosts = comm.gather(socket.gethostname(), root=0)
         single_host = len(set(hosts)) == 1
-        addr_port = ("127.0.0.1" if single_host else _own_address(), _free_port())
+        addr_port = ("127.0.0.1" if single_host else _own_address(), free_port())
     else:
         comm.gather(socket.gethostname(), root=0)
     addr, port = comm.bcast(addr_port, root=0)

@@ -11,12 +11,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+from .rendezvous import free_port
 
 LAUNCHERS = ("mpirun", "torchrun")
 
@@ -31,12 +32,6 @@ class RankResult:
 
 class MultiRankError(AssertionError):
     """A multi-rank job failed; the message carries every rank's output."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mpirun_path() -> str | None:
@@ -89,7 +84,7 @@ def run_ranks(script: str, nprocs: int, launcher: str = "torchrun", args=(), env
                 codes = [None] * nprocs
             logs = [log] * nprocs
         else:
-            port = _free_port()
+            port = free_port("127.0.0.1")
             procs, files = [], []
             for rank in range(nprocs):
                 renv = dict(base, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
