@@ -147,10 +147,10 @@ def setup_bench_venv() -> str:
     return python
 
 
-def maybe_reexec_in_bench_env(argv: list) -> str | None:
-    """Re-run this script under a Python that has deepspeed, if needed and possible.
-
-    Returns a reason when DeepSpeed will be skipped, None when it is available here."""
+def deepspeed_or_reexec(script: str, argv: list) -> str | None:
+    """None when deepspeed is importable here. Otherwise re-run *script* with *argv* under the
+    benchmark environment's Python if there is one (does not return), or return the reason
+    the DeepSpeed rows are skipped. Used by every benchmark that has DeepSpeed as a peer."""
     if _importable(sys.executable, "deepspeed"):
         return None
     if os.environ.get(REEXEC_MARK):
@@ -160,12 +160,12 @@ def maybe_reexec_in_bench_env(argv: list) -> str | None:
         return (f"deepspeed is not importable in {sys.executable} and no benchmark environment "
                 f"was found (create one: python ci/bench_engine.py --setup-bench-venv)")
     ensure_this_checkout(python)
-    print(f"[bench] deepspeed found in {python}: re-running the whole benchmark there so that "
-          f"every contender uses the same interpreter and torch", file=sys.stderr)
+    print(f"[bench] deepspeed found in {python}: re-running there so that every contender "
+          f"uses the same interpreter and torch", file=sys.stderr, flush=True)
     env = dict(os.environ, **{REEXEC_MARK: "1"})
-    # the benchmark venv's bin must come first so that its mpirun is found
+    # that environment's bin first, so that its mpirun is the one found
     env["PATH"] = os.path.dirname(python) + os.pathsep + env.get("PATH", "")
-    os.execve(python, [python, os.path.abspath(__file__), *argv], env)
+    os.execve(python, [python, os.path.abspath(script), *argv], env)
     return None  # not reached
 
 
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
     chosen = select(all_contenders(args.mpi_bind), args.only)
     skip_deepspeed = None
     if any(c.needs == "deepspeed" for c in chosen):
-        skip_deepspeed = maybe_reexec_in_bench_env(argv)
+        skip_deepspeed = deepspeed_or_reexec(__file__, argv)
 
     import torch
     print(f"# zero-core vs peers: ZeRO stages 0-2, {RANKS} ranks, GPT 'bench' preset, "

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_engine as be  # noqa: E402  (contender records, selection, the deepspeed venv)
-import bench_stage3 as s3  # noqa: E402  (re-run under the deepspeed venv, wait, JSON)
+import bench_stage3 as s3  # noqa: E402  (wait for a quiet machine, JSON)
 
 WORKER = os.path.join(HERE, "bench_workers", "largest_rank.py")
 RANKS = 4
@@ -268,7 +268,14 @@ def run_attempt(c: be.Contender, rung: Rung, a) -> dict:
     t0 = time.perf_counter()
     load = os.getloadavg()[0]
     with MemoryGuard(budget, floor) as guard:
-        results = run_ranks(WORKER, RANKS, launcher=c.launcher, args=args, env=c.env,
+        env = dict(c.env)
+        if a.mmap_threshold:
+            # the same allocator setting for every contender: freed large blocks go back to
+            # the system at once (glibc otherwise raises its mmap threshold on each free and
+            # keeps up to 32 MiB blocks in the heap, where a freed gathered weight stays
+            # resident)
+            env["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
+        results = run_ranks(WORKER, RANKS, launcher=c.launcher, args=args, env=env,
                             timeout=a.attempt_timeout, check=False)
     out.update(wall_s=time.perf_counter() - t0, loadavg_1min_before=load,
                loadavg_1min_after=os.getloadavg()[0], peak_total_rss_bytes=guard.peak_total,
@@ -435,6 +442,9 @@ def main(argv=None) -> int:
     p.add_argument("--floor-gib", type=float, default=3.0,
                    help="stop an attempt when the machine's MemAvailable drops below this (GiB)")
     p.add_argument("--steps", type=int, default=3, help="training steps per attempt")
+    p.add_argument("--mmap-threshold", type=int, default=1 << 20,
+                   help="MALLOC_MMAP_THRESHOLD_ in bytes for the ranks of every contender "
+                        "(0: glibc's default, a dynamic threshold)")
     p.add_argument("--micro", type=int, default=1, help="sequences per rank and step")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence (<= 128)")
     p.add_argument("--quick", action="store_true", help="smoke run: three tiny rungs")
@@ -458,7 +468,7 @@ def main(argv=None) -> int:
     chosen = be.select(largest_contenders(), a.only)
     skip_reason = None
     if any(c.needs == "deepspeed" for c in chosen):
-        skip_reason = s3.deepspeed_or_reexec(__file__, argv)
+        skip_reason = be.deepspeed_or_reexec(__file__, argv)
     if a.wait_for_load > 0:
         s3.wait_for_quiet(a.wait_for_load, a.wait_max_min)
 

@@ -59,30 +59,6 @@ def stage3_contenders(model: str) -> list[be.Contender]:
                          launcher="mpirun")]
 
 
-# ---------------------------------------------------------------- shared with bench_largest.py
-
-def deepspeed_or_reexec(script: str, argv: list) -> str | None:
-    """None when deepspeed is importable here. Otherwise re-run *script* with *argv* under the
-    benchmark environment's Python if there is one (does not return), or return the reason
-    the DeepSpeed rows are skipped. (bench_engine's version re-runs bench_engine.py itself.)"""
-    if be._importable(sys.executable, "deepspeed"):
-        return None
-    if os.environ.get(be.REEXEC_MARK):
-        return f"deepspeed is not importable in {sys.executable}"
-    python = be.find_bench_python()
-    if python is None:
-        return (f"deepspeed is not importable in {sys.executable} and no benchmark environment "
-                f"was found (create one: python ci/bench_engine.py --setup-bench-venv)")
-    be.ensure_this_checkout(python)
-    print(f"[bench] deepspeed found in {python}: re-running there so that every contender "
-          f"uses the same interpreter and torch", file=sys.stderr, flush=True)
-    env = dict(os.environ, **{be.REEXEC_MARK: "1"})
-    # that environment's bin first, so that its mpirun is the one found
-    env["PATH"] = os.path.dirname(python) + os.pathsep + env.get("PATH", "")
-    os.execve(python, [python, os.path.abspath(script), *argv], env)
-    return None  # not reached
-
-
 def wait_for_quiet(threshold: float, max_minutes: float, poll_s: float = 180.0) -> float:
     """Poll the 1-minute load average until it is below *threshold* or *max_minutes* have
     passed; return the load average when giving up or going ahead."""
@@ -205,7 +181,7 @@ def main(argv=None) -> int:
     chosen = be.select(stage3_contenders(args.model), args.only)
     skip_reason = None
     if any(c.needs == "deepspeed" for c in chosen):
-        skip_reason = deepspeed_or_reexec(__file__, argv)
+        skip_reason = be.deepspeed_or_reexec(__file__, argv)
     skipped = {c.name: skip_reason for c in chosen if c.needs == "deepspeed" and skip_reason}
     for name, reason in skipped.items():
         print(f"[bench] {name}: skipped ({reason})", file=sys.stderr, flush=True)
