@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import zero_core
+from zero_core.progress import ProgressBar
 
 # the example modules sit next to this file; running it as a script puts them on sys.path,
 # importing it (tests) may not
@@ -143,38 +144,6 @@ def validation_loss(model: torch.nn.Module, val_x: torch.Tensor, val_y: torch.Te
     if dist.is_initialized():
         dist.all_reduce(total)
     return (total[0] / total[1]).item()
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr: redrawn in place on a terminal, and printed as a
-    plain line every ~5% of the run when stderr is a file or pipe (so logs stay short)."""
-
-    def __init__(self, total: int, enabled: bool = True, width: int = 24, stream=None):
-        self.total = total
-        self.enabled = enabled
-        self.width = width
-        self.stream = stream or sys.stderr
-        self.interactive = self.stream.isatty()
-        self.every = max(1, total // 20)
-        self.t0 = time.perf_counter()
-
-    def update(self, done: int, fields: dict) -> None:
-        """Show *done* of *total* steps and ``{label: formatted value}`` *fields*."""
-        if not self.enabled or not (self.interactive or done % self.every == 0 or done == self.total):
-            return
-        filled = self.width * done // self.total
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / done * (self.total - done)
-        info = "  ".join(f"{name} {value}" for name, value in fields.items())
-        line = (f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total}  {info}  "
-                f"eta {eta:4.0f}s")
-        self.stream.write(("\r" + line) if self.interactive else line + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.interactive:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 def _flatten(report, prefix: str = "") -> dict:

@@ -23,49 +23,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import time
 
 import torch
 
 from . import checkpoint_store as store
 from .checkpoint_store import CheckpointError, TensorEntry, dtype_from_name
 from .engine_checkpoint import MASTER, PARAM, fragment_index
+from .progress import ProgressBar
 
 OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class Progress:
-    """A progress bar on stderr: redrawn in place on a terminal, a line per 10% otherwise."""
-
-    def __init__(self, total_bytes: int, label: str, stream=None, enabled: bool = True):
-        self.total, self.done, self.count = max(1, total_bytes), 0, 0
-        self.label, self.stream, self.enabled = label, stream or sys.stderr, enabled
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.start = time.monotonic()
-        self._last_decile = -1
-
-    def advance(self, nbytes: int) -> None:
-        self.done += nbytes
-        self.count += 1
-        if not self.enabled:
-            return
-        frac = min(1.0, self.done / self.total)
-        decile = int(frac * 10)
-        if not self.tty and decile == self._last_decile:
-            return
-        self._last_decile = decile
-        bar = "#" * int(frac * 30) + "." * (30 - int(frac * 30))
-        line = (f"{self.label} [{bar}] {frac * 100:5.1f}% {self.count} tensors "
-                f"{self.done / 2 ** 20:.1f}/{self.total / 2 ** 20:.1f} MiB "
-                f"{time.monotonic() - self.start:.1f}s")
-        self.stream.write(("\r" + line) if self.tty else line + "\n")
-        self.stream.flush()
-
-    def finish(self) -> None:
-        if self.enabled and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 class ShardSet:
@@ -174,14 +140,21 @@ def convert(checkpoint_dir: str, out: str, tag: str | None = None, dtype: str = 
 
 
 def _write(out: str, entries: list, metadata: dict, label: str, progress: bool) -> int:
-    bar = Progress(sum(e.nbytes for e in entries), label, enabled=progress)
+    bar = ProgressBar(sum(e.nbytes for e in entries), label, enabled=progress)
+    done = {"bytes": 0, "tensors": 0}
+
+    def advance(e):
+        done["bytes"] += e.nbytes
+        done["tensors"] += 1
+        bar.update(done["bytes"], {"tensors": done["tensors"],
+                                   "MiB": f"{done['bytes'] / 2 ** 20:,.1f}/{bar.total / 2 ** 20:,.1f}"})
     tmp = out + ".tmp"
     try:
         _, size = store.write_safetensors(tmp, entries, metadata,
-                                          on_tensor=lambda e: bar.advance(e.nbytes))
+                                          on_tensor=advance)
         os.replace(tmp, out)
     finally:
-        bar.finish()
+        bar.close()
         if os.path.exists(tmp):
             os.remove(tmp)
     return size
