@@ -180,7 +180,9 @@ def _quantize_rows(xb: torch.Tensor, bits: int, payload: torch.Tensor,
     """Quantize float32 rows *xb* (r, block_size) into payload bytes and r scales."""
     qmax = QMAX[bits]
     r, bs = xb.shape
-    absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_())  # NaN propagates
+    # NaN propagates; abs_(): the maximum of 0.0 and -0.0 may be -0.0, and a zero block's
+    # scale must be +0.0 as in the reference (abs().amax())
+    absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_()).abs_()
     torch.div(absmax, qmax, out=scales)
     # divide by 1 where the scale is 0 (zero block) or not finite (fixed up below)
     safe = torch.where(torch.isfinite(scales) & (scales > 0), scales,
@@ -239,7 +241,7 @@ class _RowReader:
 
 
 def quantize_torch(x: torch.Tensor, bits: int, block_size: int, *, out=None):
-    """Quantize *x* (any shape, fp32/fp16/bf16 CPU tensor, read as flat) block-wise.
+    """:func:`quantize` on the torch path (whether or not the native library is loaded).
 
     Returns ``(payload, scales)`` exactly as :func:`.quant_reference.quantize` does;
     *out*, an optional preallocated ``(payload, scales)`` pair, receives the result.
@@ -275,18 +277,23 @@ def _payload_rows(payload: torch.Tensor, b0: int, b1: int, block_size: int, bits
     per_byte = 1 if bits == 8 else 2
     want = (b1 - b0) * block_size // per_byte
     part = payload[b0 * block_size // per_byte: b1 * block_size // per_byte]
-    if part.numel() == want:
+    # an odd int4 size: the last byte's high nibble is padding, whatever the sender put there
+    odd_tail = bits == 4 and numel % 2 and b1 * block_size >= numel
+    if part.numel() == want and not odd_tail:
         return part
     padded = torch.full((want,), 0 if bits == 8 else _BOTH_OFFSETS,
                         dtype=payload.dtype)
     padded[:part.numel()] = part
+    if odd_tail:
+        last = padded[part.numel() - 1: part.numel()]
+        last.bitwise_and_(0x0F).bitwise_or_(INT4_OFFSET << 4)
     return padded
 
 
-def dequantize_torch(payload: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-               numel: int, dtype: torch.dtype = torch.float32, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rebuild *numel* values of *dtype* (flat) from ``quantize``'s output, on the CPU.
+def dequantize_torch(payload: torch.Tensor, scales: torch.Tensor, bits: int,
+                     block_size: int, numel: int, dtype: torch.dtype = torch.float32, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`dequantize` on the torch path (whether or not the native library is loaded).
 
     Bit-identical to :func:`.quant_reference.dequantize`; *out* is an optional
     preallocated flat tensor of *numel* elements of *dtype*.
@@ -310,8 +317,8 @@ def dequantize_torch(payload: torch.Tensor, scales: torch.Tensor, bits: int, blo
 
 
 def dequantize_reduce_requantize_torch(payloads, scales, bits: int, block_size: int,
-                                 numel: int | None = None, *, out=None):
-    """qgZ's middle hop on the CPU: sum of the k senders' dequantized values, requantized.
+                                       numel: int | None = None, *, out=None):
+    """:func:`dequantize_reduce_requantize` on the torch path.
 
     Bit-identical to :func:`.quant_reference.dequantize_reduce_requantize`; the sum for a
     chunk of blocks is built in a cached scratch buffer and quantized while still in cache.

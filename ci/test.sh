@@ -6,6 +6,7 @@ set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/ci/setup_env.sh" || { echo "environment setup failed" >&2; exit 1; }
 cd "$repo"
+export ZERO_CORE_REQUIRE_NATIVE=1  # CI proves the built C quantization library runs (tests/test_quant_native.py)
 python -m zero_core.cli report --check || { echo "zero-core report failed" >&2; exit 1; }
 python -m pytest -q -ra --durations=15 "$@"
 status=$?
