@@ -3,6 +3,7 @@ bandwidth, and the optimizer step against torch's and DeepSpeed's CPU optimizers
 
     python ci/bench_kernels.py                    # 50M-element optimizer, 50M quantization
     python ci/bench_kernels.py --quick            # small sizes, a smoke run
+    python ci/bench_kernels.py --quant-only       # copy and quantization kernels only
     python ci/bench_kernels.py --json out.json
 
 Bandwidth is the bytes a kernel must read plus the bytes it must write (no cache-line
@@ -12,7 +13,10 @@ kernel with what this machine's memory system gives a trivial streaming op. Best
 reported because other jobs share the CPU and only ever make a run slower; the median is
 in the JSON. Quantization is timed twice: writing fresh output tensors (whose pages the
 OS must fault in on first touch) and writing into reused buffers (``out=``), which is how
-a training loop with constant-size communication buffers calls it.
+a training loop with constant-size communication buffers calls it. quant_cpu is timed on
+both of its paths: "cpu native" (the C library compiled when zero-core is installed; the
+header line says which instruction-set level runs, or why the library is not used) and
+"cpu torch path" (its pure-torch fallback).
 
 Peers for the Adam step (one 50M-element fp32 partition, AdamW, bias correction):
 ``torch.optim.AdamW`` with ``foreach=True`` and with ``fused=True``, and DeepSpeed's
@@ -31,6 +35,7 @@ import platform
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -66,6 +71,20 @@ def bench_copy(n: int, reps: int) -> dict:
                timed(lambda: dst.copy_(src), 3 * reps), None)
 
 
+def quant_paths(with_reference: bool) -> list[tuple[str, object]]:
+    """(label, module-like) of the quantization kernels to time: quant_cpu's compiled C
+    library when it is loaded, quant_cpu's pure-torch path (the fallback, kept so that the
+    gain is visible), and the reference."""
+    torch_path = SimpleNamespace(
+        quantize=quant_cpu.quantize_torch, dequantize=quant_cpu.dequantize_torch,
+        dequantize_reduce_requantize=quant_cpu.dequantize_reduce_requantize_torch)
+    paths = [("cpu native", quant_cpu)] if quant_cpu.native_in_use() else []
+    paths.append(("cpu torch path", torch_path))
+    if with_reference:
+        paths.append(("reference", quant_reference))
+    return paths
+
+
 def bench_quant(n: int, block: int, reps: int, copy_gbs: float, with_reference: bool):
     rows = []
     x = torch.randn(n)
@@ -76,8 +95,10 @@ def bench_quant(n: int, block: int, reps: int, copy_gbs: float, with_reference: 
         payload, scales = quant_cpu.quantize(x, bits, block)
         out = (torch.empty_like(payload), torch.empty_like(scales))
         deq_out = torch.empty(n)
-        mods = [("cpu", quant_cpu)] + ([("reference", quant_reference)] if with_reference else [])
-        for label, mod in mods:
+        k = 4
+        p2 = torch.stack([payload] * k)
+        s2 = torch.stack([scales] * k)
+        for label, mod in quant_paths(with_reference):
             r = max(1, reps // 3) if mod is quant_reference else reps
             rows.append(row(f"quantize int{bits} fp32->q ({label}, fresh output)",
                             4 * n + pbytes + sbytes,
@@ -93,13 +114,10 @@ def bench_quant(n: int, block: int, reps: int, copy_gbs: float, with_reference: 
                             pbytes + sbytes + 4 * n,
                             timed(lambda: mod.dequantize(payload, scales, bits, block, n,
                                                          out=deq_out), r), copy_gbs))
-        k = 4
-        p2 = torch.stack([payload] * k)
-        s2 = torch.stack([scales] * k)
-        rows.append(row(f"dequantize-reduce-requantize int{bits}, k={k} (cpu, out=)",
-                        (k + 1) * (pbytes + sbytes),
-                        timed(lambda: quant_cpu.dequantize_reduce_requantize(
-                            p2, s2, bits, block, n, out=out), reps), copy_gbs))
+            rows.append(row(f"dequantize-reduce-requantize int{bits}, k={k} ({label}, out=)",
+                            (k + 1) * (pbytes + sbytes),
+                            timed(lambda: mod.dequantize_reduce_requantize(
+                                p2, s2, bits, block, n, out=out), r), copy_gbs))
     return rows
 
 
@@ -268,6 +286,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the (slow) pure-torch reference kernels")
     ap.add_argument("--quick", action="store_true", help="1M elements, 3 repetitions")
+    ap.add_argument("--quant-only", action="store_true",
+                    help="only the copy yardstick and the quantization kernels")
     ap.add_argument("--json", help="write the results to this file")
     args = ap.parse_args(argv)
     if args.quick:
@@ -281,8 +301,11 @@ def main(argv=None) -> int:
     copy = bench_copy(copy_n, args.reps)
     copy_gbs = copy["GB_per_s"]
     quant = bench_quant(args.quant_numel, args.block_size, args.reps, copy_gbs, with_ref)
-    optim = bench_optim_kernels(args.numel, args.reps, copy_gbs, with_ref)
-    peers, skipped = bench_adam_peers(args.numel, args.reps)
+    if args.quant_only:
+        optim, peers, skipped = [], [], []
+    else:
+        optim = bench_optim_kernels(args.numel, args.reps, copy_gbs, with_ref)
+        peers, skipped = bench_adam_peers(args.numel, args.reps)
     again = bench_copy(copy_n, args.reps)  # the machine may have been busier at the start
     if again["GB_per_s"] > copy_gbs:
         copy, copy_gbs = again, again["GB_per_s"]
@@ -291,18 +314,22 @@ def main(argv=None) -> int:
 
     host = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(),
-            "load_avg_at_end": os.getloadavg()}
+            "load_avg_at_end": os.getloadavg(), **quant_cpu.backend_info()}
     print(f"# CPU kernels — torch {host['torch']}, {host['threads']} threads, "
           f"load average at end {host['load_avg_at_end'][0]:.1f}\n")
     print(f"Quantization: {args.quant_numel:,} fp32 elements, block {args.block_size}; "
           f"optimizer kernels: {args.numel:,} elements. Best of {args.reps}.\n")
+    print(f"quant_cpu: {host['quantize_path']}"
+          + (f" — native library not used: {host['quantize_native_missing']}"
+             if "quantize_native_missing" in host else "") + "\n")
     cols = [("kernel", "kernel", "s"), ("best_ms", "best ms", ".2f"),
             ("median_ms", "median ms", ".2f"), ("GB_per_s", "GB/s", ".1f"),
             ("pct_of_copy", "% of copy", ".0f")]
     print(markdown([copy] + quant + optim, cols))
-    print(f"\nAdamW step on one {args.numel:,}-element fp32 partition:\n")
-    print(markdown(peers, [("optimizer", "optimizer", "s"), ("best_ms", "best ms", ".1f"),
-                           ("median_ms", "median ms", ".1f")]))
+    if peers:
+        print(f"\nAdamW step on one {args.numel:,}-element fp32 partition:\n")
+        print(markdown(peers, [("optimizer", "optimizer", "s"), ("best_ms", "best ms", ".1f"),
+                               ("median_ms", "median ms", ".1f")]))
     for line in skipped:
         print(f"\n- {line}")
     result = {"host": host, "args": vars(args), "copy": copy, "quantization": quant,
