@@ -161,6 +161,12 @@ ZC_INLINE uint32_t absmax_bits(const float *ZC_RESTRICT x, int64_t n) {
     return m;
 }
 
+/* m, or |v| as float bits if that is larger (see absmax_bits) */
+ZC_INLINE uint32_t max_abs_bits(uint32_t m, float v) {
+    uint32_t a = bits_of(v) & ABS_MASK;
+    return a > m ? a : m;
+}
+
 /* round_half_even(v) clamped to [-qmax, qmax], for |v| < 2^22. Here |v| < 191: v is
  * x / s with |x| <= absmax and s = absmax / qmax rounded, at most 2^-150 below the
  * exact quotient even when it is subnormal, and s > 0. */
@@ -257,8 +263,10 @@ ZC_INLINE void dequantize_block(const uint8_t *ZC_RESTRICT payload, float s, int
  * at p + i * stride, its scale is sc[i * sstride]. The switch on (g, first) gives the
  * compiler one simple loop per case to vectorize. */
 
-ZC_INLINE void add_int8(const int8_t *p, int64_t stride, const float *sc, int64_t sstride,
-                        int g, int first, int64_t n, float *ZC_RESTRICT sum) {
+ZC_INLINE uint32_t add_int8(const int8_t *p, int64_t stride, const float *sc,
+                            int64_t sstride, int g, int first, int64_t n,
+                            float *ZC_RESTRICT sum) {
+    uint32_t m = 0;
     const int8_t *p0 = p, *p1 = p + stride, *p2 = p + 2 * stride, *p3 = p + 3 * stride;
     const float s0 = sc[0], s1 = g > 1 ? sc[sstride] : 0.0f;
     const float s2 = g > 2 ? sc[2 * sstride] : 0.0f, s3 = g > 3 ? sc[3 * sstride] : 0.0f;
@@ -271,13 +279,16 @@ ZC_INLINE void add_int8(const int8_t *p, int64_t stride, const float *sc, int64_
         if (g > 3)
             acc = acc + (float)p3[j] * s3;
         sum[j] = acc;
+        m = max_abs_bits(m, acc);
     }
+    return m;
 }
 
 /* int4: lo[j] / hi[j] get the even (low nibble) / odd (high nibble) element of byte j */
-ZC_INLINE void add_int4(const uint8_t *p, int64_t stride, const float *sc, int64_t sstride,
-                        int g, int first, int64_t pairs, float *ZC_RESTRICT lo,
-                        float *ZC_RESTRICT hi) {
+ZC_INLINE uint32_t add_int4(const uint8_t *p, int64_t stride, const float *sc,
+                            int64_t sstride, int g, int first, int64_t pairs,
+                            float *ZC_RESTRICT lo, float *ZC_RESTRICT hi) {
+    uint32_t m = 0;
     const uint8_t *p0 = p, *p1 = p + stride, *p2 = p + 2 * stride, *p3 = p + 3 * stride;
     const float s0 = sc[0], s1 = g > 1 ? sc[sstride] : 0.0f;
     const float s2 = g > 2 ? sc[2 * sstride] : 0.0f, s3 = g > 3 ? sc[3 * sstride] : 0.0f;
@@ -298,7 +309,9 @@ ZC_INLINE void add_int4(const uint8_t *p, int64_t stride, const float *sc, int64
         }
         lo[j] = a;
         hi[j] = b;
+        m = max_abs_bits(max_abs_bits(m, a), b);
     }
+    return m;
 }
 
 #define ZC_ADD_CASES(call)                                                              \
@@ -316,20 +329,21 @@ ZC_INLINE void add_int4(const uint8_t *p, int64_t stride, const float *sc, int64
 /* sum[j] (int8) or lo[j] / hi[j] (int4, see add_int4) of the k senders' values of one
  * block of n elements; for odd n (int4) the last byte's unused high nibble gets 0, which
  * is what the reference's zero padding quantizes to. */
-ZC_INLINE void sum_block(const uint8_t *p, int64_t stride, const float *sc, int64_t sstride,
-                         int64_t k, int bits, int64_t n, float *ZC_RESTRICT lo,
-                         float *ZC_RESTRICT hi) {
+ZC_INLINE uint32_t sum_block(const uint8_t *p, int64_t stride, const float *sc,
+                             int64_t sstride, int64_t k, int bits, int64_t n,
+                             float *ZC_RESTRICT lo, float *ZC_RESTRICT hi) {
     const int64_t pairs = n / 2;
+    uint32_t m = 0; /* the largest |sum|, from the pass that adds the last senders */
     for (int64_t i = 0; i < k; i += 4) {
         const int g = k - i < 4 ? (int)(k - i) : 4, first = i == 0;
         const uint8_t *pi = p + i * stride;
         const float *si = sc + i * sstride;
         if (bits == 8) {
-#define ZC_CALL8(G, F) add_int8((const int8_t *)pi, stride, si, sstride, G, F, n, lo)
+#define ZC_CALL8(G, F) m = add_int8((const int8_t *)pi, stride, si, sstride, G, F, n, lo)
             ZC_ADD_CASES(ZC_CALL8)
 #undef ZC_CALL8
         } else {
-#define ZC_CALL4(G, F) add_int4(pi, stride, si, sstride, G, F, pairs, lo, hi)
+#define ZC_CALL4(G, F) m = add_int4(pi, stride, si, sstride, G, F, pairs, lo, hi)
             ZC_ADD_CASES(ZC_CALL4)
 #undef ZC_CALL4
         }
@@ -340,7 +354,9 @@ ZC_INLINE void sum_block(const uint8_t *p, int64_t stride, const float *sc, int6
             a = a + int4_lo(p[i * stride + pairs]) * sc[i * sstride];
         lo[pairs] = a;
         hi[pairs] = 0.0f;
+        m = max_abs_bits(m, a);
     }
+    return m;
 }
 
 ZC_INLINE void load_block(const void *src, int dtype, int64_t first, int64_t n,
@@ -462,15 +478,12 @@ ZC_INLINE int reduce_impl(
     for (int64_t b = block_begin; b < block_end; b++) {
         int64_t first = b * block_size, n = block_numel(b, block_size, numel);
         int64_t off = payload_offset(first, bits);
-        sum_block(in + off, payload_stride, scales + b, scale_stride, k, bits, n, sum, odd);
-        if (bits == 8) {
-            quantize_block(sum, n, absmax_bits(sum, n), 8, out + off, out_scales + b);
-        } else {
-            const int64_t nbytes = (n + 1) / 2;
-            uint32_t m = absmax_bits(sum, nbytes), m_odd = absmax_bits(odd, nbytes);
-            quantize_pairs(sum, odd, nbytes, m > m_odd ? m : m_odd, out + off,
-                           out_scales + b);
-        }
+        uint32_t m = sum_block(in + off, payload_stride, scales + b, scale_stride, k, bits, n,
+                               sum, odd);
+        if (bits == 8)
+            quantize_block(sum, n, m, 8, out + off, out_scales + b);
+        else
+            quantize_pairs(sum, odd, (n + 1) / 2, m, out + off, out_scales + b);
     }
     free(sum);
     return ZC_OK;
