@@ -226,6 +226,99 @@ def test_fused_is_bit_identical(path, rng, bits, k):
         assert_same_bits(got[1], want[1], what + " scales", rng)
 
 
+def exact_scales(nb: int, gen, low: int = -140, high: int = 100) -> torch.Tensor:
+    """nb float32 scales m * 2^e with m < 2^15 (so that qmax * a and (k + 1/2) * a are
+    exact in float32, subnormals included), e random in [low, high)."""
+    m = torch.randint(1, 1 << 15, (nb,), generator=gen, dtype=torch.float64)
+    e = torch.randint(low, high, (nb,), generator=gen, dtype=torch.float64)
+    return (m * torch.pow(2.0, e)).float()
+
+
+def step_ulps(x: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """x moved by steps[i] float32 ulps (nextafter), elementwise, |steps| <= 3."""
+    x = x.clone()
+    for j in range(1, 4):
+        up, down = steps >= j, steps <= -j
+        x[up] = torch.nextafter(x[up], torch.full_like(x[up], float("inf")))
+        x[down] = torch.nextafter(x[down], torch.full_like(x[down], float("-inf")))
+    return x
+
+
+def near_tie_input(nb: int, bs: int, qmax: int, gen) -> torch.Tensor:
+    """nb blocks whose scale is exactly a (absmax qmax * a) and whose other values are
+    (k + 1/2) * a, exact rounding ties, or 1-3 ulps beside one: the cases where dividing
+    by the scale and any shortcut for it could round differently. Random data almost never
+    lands there."""
+    a = exact_scales(nb, gen)
+    k = torch.randint(-qmax, qmax, (nb, bs), generator=gen).float()
+    x = step_ulps((k + 0.5) * a[:, None], torch.randint(-3, 4, (nb, bs), generator=gen))
+    x[:, 0] = qmax * a * torch.where(torch.rand(nb, generator=gen) < 0.5, 1.0, -1.0)
+    return x.reshape(-1)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_near_ties(path, rng, bits):
+    for bs in (256, 128 * 3, 64):
+        x = near_tie_input(150, bs, QMAX[bits], rng)
+        got = quant_cpu.quantize(x, bits, bs)
+        want = quant_reference.quantize(x, bits, bs)
+        assert_same_bits(got[1], want[1], f"{path} scales int{bits} bs={bs}", rng)
+        assert_same_bits(got[0], want[0], f"{path} payload int{bits} bs={bs}", rng)
+
+
+def near_tie_senders(nb: int, bs: int, bits: int, gen):
+    """Two senders whose sum lands on or 1-3 ulps beside rounding ties of its own scale.
+    Sender 0 holds q0 with scale a, sender 1 an odd q1 with scale b = a / 2 moved by 0-3
+    ulps, so the sum is (q0 + q1 / 2) * a plus a few ulps; one element per block holds
+    q0 = +-qmax, q1 = 0, so the block's absmax is qmax * a and its scale a."""
+    qmax = QMAX[bits]
+    a = exact_scales(nb, gen, -120, 100)
+    b = step_ulps(a / 2, torch.randint(-3, 4, (nb,), generator=gen))
+    odd = torch.tensor([-3, -1, 1, 3])
+    q1 = odd[torch.randint(0, 4, (nb, bs), generator=gen)]
+    q0 = torch.randint(-qmax + 2, qmax - 2, (nb, bs), generator=gen)
+    q0[:, 0] = qmax * (2 * torch.randint(0, 2, (nb,), generator=gen) - 1)
+    q1[:, 0] = 0
+    if bits == 8:
+        payloads = [q0.reshape(-1).to(torch.int8), q1.reshape(-1).to(torch.int8)]
+    else:
+        payloads = [quant_reference.pack_int4(q0), quant_reference.pack_int4(q1)]
+    return payloads, [a, b]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fused_near_ties(path, rng, bits):
+    for bs in (256, 128 * 3, 64):
+        nb = 150
+        payloads, scales = near_tie_senders(nb, bs, bits, rng)
+        for order in ([0, 1], [1, 0]):
+            p = [payloads[i] for i in order]
+            s = [scales[i] for i in order]
+            got = quant_cpu.dequantize_reduce_requantize(p, s, bits, bs, nb * bs)
+            want = quant_reference.dequantize_reduce_requantize(p, s, bits, bs, nb * bs)
+            what = f"{path} fused int{bits} bs={bs} order {order}"
+            assert_same_bits(got[1], want[1], what + " scales", rng)
+            assert_same_bits(got[0], want[0], what + " payload", rng)
+
+
+def test_near_tie_inputs_hit_ties(rng):
+    """The inputs above do what they claim: quotients on exact ties and within a few ulps
+    of one, in both tests (checked where the scale is normal: a subnormal scale is not
+    exactly absmax / qmax)."""
+    x = near_tie_input(40, 256, 7, rng).view(40, 256)
+    scale = x.abs().amax(dim=1, keepdim=True) / 7
+    frac = ((x / scale).abs() % 1.0)[(scale >= 2.0 ** -126).flatten()]
+    assert (frac == 0.5).float().mean() > 0.05
+    assert ((frac - 0.5).abs() < 1e-5).float().mean() > 0.9
+    payloads, scales = near_tie_senders(40, 256, 4, rng)
+    total = sum(quant_reference.unpack_int4(p, 40 * 256).float().view(40, 256) * s[:, None]
+                for p, s in zip(payloads, scales))
+    scale = total.abs().amax(dim=1, keepdim=True) / 7
+    frac = ((total / scale).abs() % 1.0)[(scale >= 2.0 ** -126).flatten()]
+    assert (frac == 0.5).float().mean() > 0.05
+    assert ((frac[:, 1:] - 0.5).abs() < 1e-5).float().mean() > 0.9
+
+
 def test_fused_overflow_and_sender_order(path, rng):
     """Sums that overflow float32 give NaN blocks; the sum is sender 0 first (float32
     addition is not associative, so another order would show in the bits)."""
