@@ -383,6 +383,20 @@ ZC_INLINE void store_block(const float *ZC_RESTRICT src, int64_t n, void *dst, i
             h[i] = float_to_half(src[i]);
 }
 
+/* ------------------------------------------------------------ batches of blocks
+ * A block's quantization waits for its scale: a reduction across the block, then a
+ * division (two with the reciprocal below), some 50 cycles of latency. While the
+ * out-of-order core holds the waiting instructions it fills up and cannot start on the
+ * next block, so each block exposed that latency. The kernels therefore take the
+ * absmax (or sums) of a batch of blocks first and quantize the batch after: one wait per
+ * batch. Measured on one thread, in cache, block 256: quantize 0.114 -> 0.085 ns per
+ * element, the AVX-512 fused int4 kernel below 0.18 -> 0.13. 2048 elements: 8 KB of
+ * float32 sums in L1. */
+#define ZC_BATCH_ELEMENTS 2048
+ZC_INLINE int64_t batch_blocks(int64_t block_size) {
+    return block_size >= ZC_BATCH_ELEMENTS ? 1 : ZC_BATCH_ELEMENTS / block_size;
+}
+
 /* ------------------------------------------------------------ AVX-512 fused int4
  * Level 2 only, for blocks whose size is a multiple of Q4_GROUP. Measured (one thread,
  * in cache, k = 4): 0.24 ns per element compiled from the plain loops above, of which the
@@ -525,30 +539,20 @@ ZC_TARGET_2 static void requant_int4_512(const float *sums, int64_t groups, floa
     }
 }
 
-/* Blocks per batch of reduce_int4_512: a block's requantization waits for its scale
- * (a reduction across the block and two divisions, ~50 cycles), and while the
- * out-of-order core holds those waiting instructions it cannot start the next block's
- * sums; all sums of a batch are computed first, then all requantizations, so that only
- * one wait per batch is exposed. 2048 elements: 8 KB of sums in L1. */
-#define Q4_BATCH_ELEMENTS 2048
-#define Q4_MAX_BATCH (Q4_BATCH_ELEMENTS / Q4_GROUP)
-ZC_INLINE int64_t q4_batch(int64_t block_size) {
-    return block_size >= Q4_BATCH_ELEMENTS ? 1 : Q4_BATCH_ELEMENTS / block_size;
-}
-
 /* Full blocks [b0, b1) of block_size (a multiple of Q4_GROUP) elements of the fused
- * int4 kernel; scratch holds q4_batch(block_size) blocks of sums and k tables. */
+ * int4 kernel, in batches; scratch holds batch_blocks(block_size) blocks of sums and k
+ * tables. */
 ZC_TARGET_2 static void reduce_int4_512(const uint8_t *in, int64_t stride, const float *scales,
                                         int64_t sstride, int64_t k, int64_t block_size,
                                         int64_t b0, int64_t b1, uint8_t *out,
                                         float *out_scales, float *scratch) {
     const int64_t groups = block_size / Q4_GROUP, bytes = block_size / 2;
-    const int64_t batch = q4_batch(block_size);
+    const int64_t batch = batch_blocks(block_size);
     float *tables = scratch + batch * block_size;
     for (int64_t b = b0; b < b1; b += batch) {
         const int64_t nb = b1 - b < batch ? b1 - b : batch;
-        float s[Q4_MAX_BATCH];
-        int live[Q4_MAX_BATCH];
+        float s[ZC_BATCH_ELEMENTS / Q4_GROUP];
+        int live[ZC_BATCH_ELEMENTS / Q4_GROUP];
         for (int64_t j = 0; j < nb; j++) {
             uint32_t m = sum_int4_512(in + (b + j) * bytes, stride, scales + b + j, sstride,
                                       k, groups, scratch + j * block_size, tables);
@@ -602,17 +606,28 @@ ZC_INLINE int quantize_impl(const void *x, int dtype, int64_t numel, int bits,
         if (!tile)
             return ZC_ENOMEM;
     }
+    if (dtype == ZC_F32) { /* in batches (see batch_blocks) */
+        const float *xf = (const float *)x;
+        const int64_t batch = batch_blocks(block_size);
+        uint32_t m[ZC_BATCH_ELEMENTS];
+        for (int64_t b0 = block_begin; b0 < block_end; b0 += batch) {
+            const int64_t nb = block_end - b0 < batch ? block_end - b0 : batch;
+            for (int64_t j = 0; j < nb; j++)
+                m[j] = absmax_bits(xf + (b0 + j) * block_size,
+                                   block_numel(b0 + j, block_size, numel));
+            for (int64_t j = 0; j < nb; j++) {
+                int64_t b = b0 + j, first = b * block_size;
+                quantize_block(xf + first, block_numel(b, block_size, numel), m[j], bits,
+                               out + payload_offset(first, bits), scales + b);
+            }
+        }
+        return ZC_OK;
+    }
     for (int64_t b = block_begin; b < block_end; b++) {
         int64_t first = b * block_size, n = block_numel(b, block_size, numel);
-        const float *values;
-        if (dtype == ZC_F32) {
-            values = (const float *)x + first;
-        } else {
-            load_block(x, dtype, first, n, tile);
-            values = tile;
-        }
-        quantize_block(values, n, absmax_bits(values, n), bits,
-                       out + payload_offset(first, bits), scales + b);
+        load_block(x, dtype, first, n, tile);
+        quantize_block(tile, n, absmax_bits(tile, n), bits, out + payload_offset(first, bits),
+                       scales + b);
     }
     free(tile);
     return ZC_OK;
@@ -654,39 +669,47 @@ ZC_INLINE int reduce_impl(
         return ZC_EINVAL;
     const uint8_t *in = (const uint8_t *)payloads;
     uint8_t *out = (uint8_t *)out_payload;
-    /* int8: the block's sums; int4: its even sums, then its odd sums (or, on the AVX-512
-     * path, its transposed sums and then the k senders' tables of 16 floats) */
-    size_t floats = (size_t)block_size + 2;
-#if ZC_LEVELS > 1
-    if (level == 2 && bits == 4 && block_size % Q4_GROUP == 0)
-        floats = (size_t)(q4_batch(block_size) * block_size + 16 * k);
-#endif
-    float *sum = (float *)malloc(floats * sizeof(float));
+    /* per block of a batch (see batch_blocks), int8: its sums; int4: its even sums, then
+     * its odd sums (on the AVX-512 path: its transposed sums); then the AVX-512 path's k
+     * tables of 16 floats */
+    const int64_t batch = batch_blocks(block_size), per_block = block_size + 2;
+    float *sum = (float *)malloc(((size_t)(batch * per_block) + 16 * (size_t)k) * sizeof(float));
     if (!sum)
         return ZC_ENOMEM;
-    float *odd = sum + block_size / 2 + 1;
-    for (int64_t b = block_begin; b < block_end; b++) {
-        int64_t first = b * block_size, n = block_numel(b, block_size, numel);
-        int64_t off = payload_offset(first, bits);
+    uint32_t m[ZC_BATCH_ELEMENTS];
+    for (int64_t b0 = block_begin; b0 < block_end;) {
 #if ZC_LEVELS > 1
-        if (level == 2 && bits == 4 && block_size % Q4_GROUP == 0 && n == block_size) {
+        if (level == 2 && bits == 4 && block_size % Q4_GROUP == 0 &&
+            block_numel(b0, block_size, numel) == block_size) {
             /* this and the following full blocks (a partial last block is left to the
              * code below) */
             int64_t full_end = numel / block_size < block_end ? numel / block_size : block_end;
-            reduce_int4_512(in, payload_stride, scales, scale_stride, k, block_size, b,
+            reduce_int4_512(in, payload_stride, scales, scale_stride, k, block_size, b0,
                             full_end, out, out_scales, sum);
-            b = full_end - 1;
+            b0 = full_end;
             continue;
         }
 #else
         (void)level;
 #endif
-        uint32_t m = sum_block(in + off, payload_stride, scales + b, scale_stride, k, bits, n,
-                               sum, odd);
-        if (bits == 8)
-            quantize_block(sum, n, m, 8, out + off, out_scales + b);
-        else
-            quantize_pairs(sum, odd, (n + 1) / 2, m, out + off, out_scales + b);
+        const int64_t nb = block_end - b0 < batch ? block_end - b0 : batch;
+        for (int64_t j = 0; j < nb; j++) {
+            int64_t b = b0 + j, n = block_numel(b, block_size, numel);
+            float *lo = sum + j * per_block;
+            m[j] = sum_block(in + payload_offset(b * block_size, bits), payload_stride,
+                             scales + b, scale_stride, k, bits, n, lo, lo + block_size / 2 + 1);
+        }
+        for (int64_t j = 0; j < nb; j++) {
+            int64_t b = b0 + j, n = block_numel(b, block_size, numel);
+            int64_t off = payload_offset(b * block_size, bits);
+            float *lo = sum + j * per_block;
+            if (bits == 8)
+                quantize_block(lo, n, m[j], 8, out + off, out_scales + b);
+            else
+                quantize_pairs(lo, lo + block_size / 2 + 1, (n + 1) / 2, m[j], out + off,
+                               out_scales + b);
+        }
+        b0 += nb;
     }
     free(sum);
     return ZC_OK;
