@@ -539,30 +539,117 @@ ZC_TARGET_2 static void requant_int4_512(const float *sums, int64_t groups, floa
     }
 }
 
-/* Full blocks [b0, b1) of block_size (a multiple of Q4_GROUP) elements of the fused
- * int4 kernel, in batches; scratch holds batch_blocks(block_size) blocks of sums and k
- * tables. */
-ZC_TARGET_2 static void reduce_int4_512(const uint8_t *in, int64_t stride, const float *scales,
-                                        int64_t sstride, int64_t k, int64_t block_size,
-                                        int64_t b0, int64_t b1, uint8_t *out,
-                                        float *out_scales, float *scratch) {
-    const int64_t groups = block_size / Q4_GROUP, bytes = block_size / 2;
+/* ------------------------------------------------------------ AVX-512 fused int8
+ * The same scheme for int8, in the natural element order: each sender's bytes are
+ * widened with vpmovsxbd straight from memory (the compiled loops widened in two steps
+ * with extra shuffles), converted, scaled and added, sender 0 first. Requantize: as for
+ * int4 with qmax = 127, |x/s| <= 127 / (1 - u), so E = |q' - fl(x/s)| < (3u + u^2) * 127
+ * / (1 - u) < 2.3e-5; t = q' + 1536.5 (1.5 * 2^10 + 1/2) lies in [1024, 2048), whose
+ * float step is 2^-13, half a step 6.1e-5 > E: bits(t) >> 13 has round(q') as its low
+ * byte (two's complement; bits(1024) >> 13 and 1.5 * 2^10 - 1024 end in a zero byte)
+ * unless the low 13 bits of bits(t) are zero, which flags a near-tie (1 in 8192 lanes on
+ * random data); a vector of 16 holding one is recomputed with the division. Both
+ * quotients are below 127.5 in magnitude: no clamp. */
+#define Q8_GROUP 64 /* elements per iteration: four vectors */
+
+/* sums[] of one block of groups * Q8_GROUP elements; returns the largest |sum| as float
+ * bits. */
+ZC_TARGET_2 static uint32_t sum_int8_512(const int8_t *p, int64_t stride, const float *sc,
+                                         int64_t sstride, int64_t k, int64_t groups,
+                                         float *ZC_RESTRICT sums) {
+    const __m512i abs_mask = _mm512_set1_epi32((int)ABS_MASK);
+    __m512i amax = _mm512_setzero_si512();
+#define ZC_VALUE(ROW, V, S)                                                               \
+    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                \
+                      _mm_loadu_si128((const __m128i *)(ROW + 16 * V)))),                 \
+                  S)
+    for (int64_t g = 0; g < groups; g++) {
+        const int8_t *row = p + Q8_GROUP * g;
+        __m512 s0 = _mm512_set1_ps(sc[0]);
+        __m512 a0 = ZC_VALUE(row, 0, s0), a1 = ZC_VALUE(row, 1, s0);
+        __m512 a2 = ZC_VALUE(row, 2, s0), a3 = ZC_VALUE(row, 3, s0);
+        for (int64_t i = 1; i < k; i++) {
+            const int8_t *ri = row + i * stride;
+            __m512 si = _mm512_set1_ps(sc[i * sstride]);
+            a0 = _mm512_add_ps(a0, ZC_VALUE(ri, 0, si));
+            a1 = _mm512_add_ps(a1, ZC_VALUE(ri, 1, si));
+            a2 = _mm512_add_ps(a2, ZC_VALUE(ri, 2, si));
+            a3 = _mm512_add_ps(a3, ZC_VALUE(ri, 3, si));
+        }
+        float *out = sums + Q8_GROUP * g;
+#define ZC_KEEP(V, A)                                                                     \
+    _mm512_storeu_ps(out + 16 * V, A);                                                    \
+    amax = _mm512_max_epu32(amax, _mm512_and_si512(_mm512_castps_si512(A), abs_mask));
+        ZC_KEEP(0, a0) ZC_KEEP(1, a1) ZC_KEEP(2, a2) ZC_KEEP(3, a3)
+#undef ZC_KEEP
+    }
+#undef ZC_VALUE
+    return (uint32_t)_mm512_reduce_max_epu32(amax);
+}
+
+/* 16 payload bytes from 16 sums, dividing by s (with the clamp of round_clamp). */
+ZC_TARGET_2 static __m128i requant_int8_exact(const float *x, __m512 s) {
+    __m512 q = _mm512_div_ps(_mm512_loadu_ps(x), s);
+    q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+    /* the sum's bits end in q (two's complement) in their low byte */
+    return _mm512_cvtepi32_epi8(_mm512_castps_si512(_mm512_add_ps(q, _mm512_set1_ps(ROUND_MAGIC))));
+}
+
+/* The payload of one block of n (a multiple of 16) elements from its sums. */
+ZC_TARGET_2 static void requant_int8_512(const float *sums, int64_t n, float s,
+                                         int8_t *ZC_RESTRICT payload) {
+    const __m512 vs = _mm512_set1_ps(s);
+    if (bits_of(s) < 0x00800000u) { /* subnormal: 1 / s may overflow; divide */
+        for (int64_t j = 0; j < n; j += 16)
+            _mm_storeu_si128((__m128i *)(payload + j), requant_int8_exact(sums + j, vs));
+        return;
+    }
+    const __m512 r = _mm512_set1_ps(1.0f / s), magic = _mm512_set1_ps(1536.5f);
+    const __m512i frac_bits = _mm512_set1_epi32(0x1fff);
+    for (int64_t j = 0; j < n; j += 16) {
+        __m512i b = _mm512_castps_si512(
+            _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(sums + j), r), magic));
+        __m128i q = _mm512_cvtepi32_epi8(_mm512_srli_epi32(b, 13));
+        if (_mm512_test_epi32_mask(b, frac_bits) != 0xffff)
+            q = requant_int8_exact(sums + j, vs);
+        _mm_storeu_si128((__m128i *)(payload + j), q);
+    }
+}
+
+/* Full blocks [b0, b1) of the fused kernel at AVX-512, in batches (see batch_blocks):
+ * int4 for block_size a multiple of Q4_GROUP, int8 for a multiple of Q8_GROUP. scratch
+ * holds batch_blocks(block_size) blocks of sums, then (int4) k tables. */
+ZC_TARGET_2 static void reduce_full_blocks_512(int bits, const uint8_t *in, int64_t stride,
+                                               const float *scales, int64_t sstride,
+                                               int64_t k, int64_t block_size, int64_t b0,
+                                               int64_t b1, uint8_t *out, float *out_scales,
+                                               float *scratch) {
+    const int64_t bytes = bits == 8 ? block_size : block_size / 2;
     const int64_t batch = batch_blocks(block_size);
     float *tables = scratch + batch * block_size;
     for (int64_t b = b0; b < b1; b += batch) {
         const int64_t nb = b1 - b < batch ? b1 - b : batch;
-        float s[ZC_BATCH_ELEMENTS / Q4_GROUP];
-        int live[ZC_BATCH_ELEMENTS / Q4_GROUP];
+        float s[ZC_BATCH_ELEMENTS / Q8_GROUP];
+        int live[ZC_BATCH_ELEMENTS / Q8_GROUP];
         for (int64_t j = 0; j < nb; j++) {
-            uint32_t m = sum_int4_512(in + (b + j) * bytes, stride, scales + b + j, sstride,
-                                      k, groups, scratch + j * block_size, tables);
-            live[j] = block_scale(m, 7, out_scales + b + j, &s[j]);
+            const uint8_t *p = in + (b + j) * bytes;
+            float *sums = scratch + j * block_size;
+            uint32_t m = bits == 8
+                ? sum_int8_512((const int8_t *)p, stride, scales + b + j, sstride, k,
+                               block_size / Q8_GROUP, sums)
+                : sum_int4_512(p, stride, scales + b + j, sstride, k, block_size / Q4_GROUP,
+                               sums, tables);
+            live[j] = block_scale(m, bits == 8 ? 127 : 7, out_scales + b + j, &s[j]);
         }
         for (int64_t j = 0; j < nb; j++) {
-            if (live[j])
-                requant_int4_512(scratch + j * block_size, groups, s[j], out + (b + j) * bytes);
+            uint8_t *q = out + (b + j) * bytes;
+            const float *sums = scratch + j * block_size;
+            if (!live[j])
+                memset(q, bits == 8 ? 0 : INT4_ZERO_BYTE, (size_t)bytes);
+            else if (bits == 8)
+                requant_int8_512(sums, block_size, s[j], (int8_t *)q);
             else
-                memset(out + (b + j) * bytes, INT4_ZERO_BYTE, (size_t)bytes);
+                requant_int4_512(sums, block_size / Q4_GROUP, s[j], q);
         }
     }
 }
@@ -679,13 +766,13 @@ ZC_INLINE int reduce_impl(
     uint32_t m[ZC_BATCH_ELEMENTS];
     for (int64_t b0 = block_begin; b0 < block_end;) {
 #if ZC_LEVELS > 1
-        if (level == 2 && bits == 4 && block_size % Q4_GROUP == 0 &&
+        if (level == 2 && block_size % (bits == 8 ? Q8_GROUP : Q4_GROUP) == 0 &&
             block_numel(b0, block_size, numel) == block_size) {
             /* this and the following full blocks (a partial last block is left to the
              * code below) */
             int64_t full_end = numel / block_size < block_end ? numel / block_size : block_end;
-            reduce_int4_512(in, payload_stride, scales, scale_stride, k, block_size, b0,
-                            full_end, out, out_scales, sum);
+            reduce_full_blocks_512(bits, in, payload_stride, scales, scale_stride, k,
+                                   block_size, b0, full_end, out, out_scales, sum);
             b0 = full_end;
             continue;
         }
