@@ -14,10 +14,16 @@
  * if the compiler neither contracts a*b+c into an FMA (-ffp-contract=off, set by
  * setup.py) nor reassociates or flushes subnormals (never build with -ffast-math).
  *
- * Vectorization is left to the compiler. On x86-64 Linux (glibc) with GCC or Clang the
- * chunk functions are compiled three times (AVX-512F, AVX2, baseline x86-64) and the
- * loader picks the best one for the CPU at load time (function multiversioning), so the
- * build keeps portable flags. IEEE results do not depend on the vector width.
+ * Vectorization is left to the compiler, except for the fused kernel at the AVX-512 level
+ * (written with intrinsics, see "AVX-512 fused int4"). On x86-64 Linux (glibc) with GCC
+ * or Clang the chunk functions are compiled three times (AVX-512F, AVX2, baseline x86-64)
+ * and the loader picks the best one for the CPU at load time (function multiversioning),
+ * so the build keeps portable flags. IEEE results do not depend on the vector width.
+ *
+ * The AVX-512 fused kernel requantizes by multiplying with 1 / scale where that provably
+ * rounds to the same integer as the division, and divides where it might not (near
+ * rounding ties, subnormal scales); the argument is written out where it is done, and
+ * tests/test_quant_native.py feeds it values on and beside ties.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -262,8 +268,8 @@ ZC_INLINE void dequantize_block(const uint8_t *ZC_RESTRICT payload, float s, int
  * take one pass over a block-sized buffer in L1 and k = 8 two. Sender i's bytes start
  * at p + i * stride, its scale is sc[i * sstride]. The switch on (g, first) gives the
  * compiler one simple loop per case to vectorize. (Tried and not kept: tiles of 32 sums
- * held across senders, which GCC spilled, 1.6x slower for int8; an AVX-512 lookup of
- * the 16 int4 values q * s with vpermps, only 12% faster for int4.) */
+ * held across senders, which GCC spilled, 1.6x slower for int8.) The AVX-512 level runs
+ * its own version of the fused kernel for most block sizes, see below. */
 
 ZC_INLINE uint32_t add_int8(const int8_t *p, int64_t stride, const float *sc,
                             int64_t sstride, int g, int first, int64_t n,
@@ -398,9 +404,10 @@ ZC_INLINE int64_t batch_blocks(int64_t block_size) {
 }
 
 /* ------------------------------------------------------------ AVX-512 fused int4
- * Level 2 only, for blocks whose size is a multiple of Q4_GROUP. Measured (one thread,
- * in cache, k = 4): 0.24 ns per element compiled from the plain loops above, of which the
- * requantize step (division, rounding, clamp, packing) took ~40% and the sums ~57%.
+ * Level 2 only, for full blocks whose size is a multiple of Q4_GROUP (a partial last
+ * block takes the code above). Measured (one thread, in cache, k = 4): 0.24 ns per
+ * element compiled from the plain loops above, of which the requantize step (division,
+ * rounding, clamp, packing) took ~40% and the sums ~57%.
  * Replacing only the division by a multiplication saved 4%: the loops are bound by the
  * number of vector instructions, mostly the sign-extension chains that widen nibbles to
  * float lanes and the narrowing shuffles that pack them again. This path needs about
@@ -416,23 +423,37 @@ ZC_INLINE int64_t batch_blocks(int64_t block_size) {
  * and ORs, no shuffle. The senders are added in one pass, sender 0 first, each element's
  * chain in a register: the same additions in the same order as the reference.
  *
- * Requantize. q = round_half_even(fl(x / s)) is computed as follows. Let u = 2^-24 and
- * s normal (the caller takes the exact path otherwise; s <= FLT_MAX / 7, so r = fl(1/s)
- * is normal too). Then r = (1/s)(1 + d1), q' = fl(x * r) = (x/s)(1 + d1)(1 + d2) and
- * fl(x / s) = (x/s)(1 + d3) with |di| <= u (for results below 2^-126 the error is
- * absolute, <= 2^-150, and both round to 0), so |q' - fl(x/s)| <= (3u + u^2)|x/s|. Every
- * |x| <= absmax and s = fl(absmax / 7) >= (absmax / 7)(1 - u), so |x/s| <= 7 / (1 - u)
- * and E = |q' - fl(x/s)| < 1.3e-6. Both round to the same integer unless a tie k + 1/2
- * lies between them, i.e. within E of q'. Both are below 7.5 in magnitude, so both round
- * into [-7, 7] and no clamp is needed. The lane computes t = q' + 776.5 (776.5 = 1.5*2^9
- * + 8 + 1/2: t lies in [512, 1024), whose float step is 2^-14): bits(t) >> 14 has q' + 8
- * + 1/2 rounded down to an integer in its low nibble, which is round(q') + 8 unless
- * q' + 1/2 is within 2^-15 (half a step) of an integer, and exactly then the low 14 bits
- * of bits(t) are zero. Since E < 2^-15, a lane whose low 14 bits are not zero is
- * correctly rounded (ties and near-ties included, since those are the ones flagged);
- * a group holding any flagged lane (about 1 in 16384 elements on random data) is
- * recomputed with the division. x = +-0 gives t = 776.5, nibble 8; blocks with NaN or
- * inf sums never get here (scale NaN, payload zero, as in quantize_pairs). */
+ * Requantize. q = round_half_even(fl(x / s)) is computed without the division, which
+ * is exact only where proven. Let u = 2^-24 and s normal (the caller divides otherwise:
+ * for a subnormal s, 1 / s may overflow to inf; s <= FLT_MAX / 7, so r = fl(1 / s) is
+ * normal). Then r = (1/s)(1 + d1), q' = fl(x * r) = (x/s)(1 + d1)(1 + d2) and
+ * fl(x / s) = (x/s)(1 + d3) with |di| <= u (a result below 2^-126 has instead an absolute
+ * error <= 2^-150 and both round to 0), so |q' - fl(x/s)| <= (3u + u^2)|x/s|: at most 3
+ * ulps of q' apart. Every |x| <= absmax and s = fl(absmax / 7) >= (absmax / 7)(1 - u),
+ * so |x/s| <= 7 / (1 - u) and E = |q' - fl(x/s)| < 1.3e-6 (2.7 ulps at 4 <= |q'| < 8).
+ * The two round to different integers only if a tie k + 1/2 lies between them, i.e.
+ * within E of q'. Both are below 7.5 in magnitude, so both round into [-7, 7]: no clamp.
+ *
+ * One addition finds the integer and the near-ties: t = fl(q' + 776.5) (776.5 = 1.5 * 2^9
+ * + 8 + 1/2) lies in [512, 1024), where floats are the multiples of 2^-14, so t - 776.5
+ * is q' rounded to a multiple of 2^-14, and bits(t) = bits(512) + (t - 512) * 2^14:
+ * bits(t) >> 14 = 0x11108 + floor(t - 776.5 + 1/2), whose low nibble is that integer + 8.
+ * The low 14 bits of bits(t) are zero exactly when t - 776.5 is a tie (an integer + 1/2).
+ * Ties are multiples of 2^-14, so rounding q' to that grid lands on a tie whenever q' is
+ * nearer to it than 2^-15 (and never carries q' past one). Hence a lane whose low 14 bits
+ * are not zero has q' at least 2^-15 > E from every tie: no tie between q' and fl(x/s),
+ * floor(q' + 1/2) = round_half_even(q') = round_half_even(fl(x/s)), the correct nibble.
+ * The flagged band (+-2^-15, 64 ulps at |q'| near 7) is far wider than needed but costs
+ * one instruction and catches ~1 in 16384 random lanes; a group holding a flagged lane
+ * (exact ties included) is recomputed with the division. x = +-0 gives t = 776.5, nibble
+ * 8 (q = 0). Blocks whose sums hold NaN or inf never get here (their scale is NaN and
+ * payload zero, decided from the absmax as in quantize_pairs), nor do zero blocks.
+ *
+ * Measured (one thread, k = 4, block 256): 0.24 -> 0.14 ns per element in cache, 0.22 ->
+ * 0.12 at 4M elements. Tried and not kept (no gain measured): loading each row at byte
+ * offsets 1-3 to save four of the seven shifts (the loads split cache lines), an FMA for
+ * fl(x * r) + 776.5, vrangeps for the absmax (also differs on NaN), two chains of the
+ * near-tie mask. */
 #if ZC_LEVELS > 1
 #include <immintrin.h>
 
