@@ -15,7 +15,9 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 sys.path.insert(0, EXAMPLES)
 from text_data import (GlobalBatchSampler, is_validation_file, load_stdlib_text,  # noqa: E402
                        stdlib_root, stdlib_source_files, validation_batches)
-from train_gpt import ProgressBar, format_memory_table  # noqa: E402
+from train_gpt import format_memory_table  # noqa: E402
+
+from zero_core.progress import ProgressBar  # noqa: E402
 
 TRAIN_GPT = os.path.join(EXAMPLES, "train_gpt.py")
 
@@ -142,6 +144,16 @@ def test_progress_bar_prints_a_few_lines_when_not_a_terminal():
     lines = out.getvalue().splitlines()
     assert len(lines) == 20  # every 5%
     assert lines[-1].startswith("[" + "#" * 24 + "] 100/100") and "loss 3.000" in lines[-1]
+
+
+def test_progress_bar_in_percent_for_bytes():
+    out = io.StringIO()
+    bar = ProgressBar(3 * 2**20, "convert", stream=out, show_count=False)
+    for done in (2**20, 2 * 2**20, 3 * 2**20):
+        bar.update(done, {"tensors": done // 2**20})
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("convert [" + "#" * 8 + "." * 16 + "]  33.3%")
+    assert lines[-1].startswith("convert [" + "#" * 24 + "] 100.0%") and "tensors 3" in lines[-1]
 
 
 def test_memory_table_shows_measured_and_formula_in_mib():

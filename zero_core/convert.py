@@ -140,7 +140,7 @@ def convert(checkpoint_dir: str, out: str, tag: str | None = None, dtype: str = 
 
 
 def _write(out: str, entries: list, metadata: dict, label: str, progress: bool) -> int:
-    bar = ProgressBar(sum(e.nbytes for e in entries), label, enabled=progress)
+    bar = ProgressBar(sum(e.nbytes for e in entries), label, enabled=progress, show_count=False)
     done = {"bytes": 0, "tensors": 0}
 
     def advance(e):

@@ -13,7 +13,7 @@ class ProgressBar:
     """Progress of *total* units of work (steps, bytes, ...), shown on *stream* (stderr)."""
 
     def __init__(self, total: int, label: str = "", enabled: bool = True, width: int = 24,
-                 stream=None, plain_lines: int = 20):
+                 stream=None, plain_lines: int = 20, show_count: bool = True):
         self.total = max(1, total)
         self.label = f"{label} " if label else ""
         self.enabled = enabled
@@ -21,7 +21,8 @@ class ProgressBar:
         self.stream = stream or sys.stderr
         self.interactive = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.plain_lines = plain_lines
-        self._last_line = -1
+        self.show_count = show_count      # "done/total" after the bar (steps), else a percentage
+        self._last_line = 0
         self.t0 = time.monotonic()
 
     def update(self, done: int, fields: dict | None = None) -> None:
@@ -37,7 +38,8 @@ class ProgressBar:
         elapsed = time.monotonic() - self.t0
         eta = elapsed / frac * (1 - frac) if frac > 0 else 0.0
         info = "  ".join(f"{name} {value}" for name, value in (fields or {}).items())
-        line = (f"{self.label}[{'#' * filled}{'.' * (self.width - filled)}] {frac * 100:5.1f}%  "
+        amount = f"{done}/{self.total}" if self.show_count else f"{frac * 100:5.1f}%"
+        line = (f"{self.label}[{'#' * filled}{'.' * (self.width - filled)}] {amount}  "
                 f"{info}  {elapsed:.0f}s, eta {eta:.0f}s")
         self.stream.write(("\r" + line) if self.interactive else line + "\n")
         self.stream.flush()
