@@ -483,6 +483,10 @@ ZC_TARGET_2 static uint32_t sum_int4_512(const uint8_t *p, int64_t stride, const
         __m512 a5 = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 20), t);
         __m512 a6 = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 24), t);
         __m512 a7 = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 28), t);
+        /* unrolled, so that each sender's rows are read by load instructions of their
+         * own: one load reading the k rows in turn (strides of a whole payload) misled
+         * the hardware prefetcher, 1.5x slower for int4 at 8M elements */
+#pragma GCC unroll 8
         for (int64_t i = 1; i < k; i++) {
             d = _mm512_loadu_si512(row + i * stride);
             t = _mm512_loadu_ps(tables + 16 * i);
@@ -589,6 +593,10 @@ ZC_TARGET_2 static uint32_t sum_int8_512(const int8_t *p, int64_t stride, const 
         __m512 s0 = _mm512_set1_ps(sc[0]);
         __m512 a0 = ZC_VALUE(row, 0, s0), a1 = ZC_VALUE(row, 1, s0);
         __m512 a2 = ZC_VALUE(row, 2, s0), a3 = ZC_VALUE(row, 3, s0);
+        /* unrolled, so that each sender's rows are read by load instructions of their
+         * own: one load reading the k rows in turn (strides of a whole payload) misled
+         * the hardware prefetcher, 2.5x slower for int8 at 4-8M elements */
+#pragma GCC unroll 8
         for (int64_t i = 1; i < k; i++) {
             const int8_t *ri = row + i * stride;
             __m512 si = _mm512_set1_ps(sc[i * sstride]);
