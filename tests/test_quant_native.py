@@ -211,7 +211,13 @@ def test_dequantize_is_bit_identical(path, rng, bits, dtype):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("k", [2, 3, 4, 5, 9])
 def test_fused_is_bit_identical(path, rng, bits, k):
-    bs = 2 * int(torch.randint(1, 200, (1,), generator=rng))
+    # a random even block size, and a multiple of 128 (the AVX-512 level's own path)
+    for bs in (2 * int(torch.randint(1, 200, (1,), generator=rng)),
+               128 * int(torch.randint(1, 5, (1,), generator=rng))):
+        check_fused(path, rng, bits, k, bs)
+
+
+def check_fused(path, rng, bits, k, bs):
     for n in sizes(bs, rng):
         senders = [quant_reference.quantize(mixed_input(n, bs, rng), bits, bs)
                    for _ in range(k - 1)]
