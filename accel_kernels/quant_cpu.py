@@ -1,9 +1,11 @@
 """Block-wise int8/int4 quantization on the CPU: compiled C when built, else torch.
 
 Same functions, format and edge cases as :mod:`.quant_reference` (see
-:mod:`.quant_layout`), and bit-identical results: the arithmetic is the same IEEE
-operations in the same order (a correctly rounded division by the block's scale,
-round-half-even, the k senders summed sender 0 first).
+:mod:`.quant_layout`), and bit-identical results: each value is the integer that
+round-half-even gives for the correctly rounded quotient of value and block scale, and the
+k senders are summed sender 0 first. (The torch path divides; the native AVX-512 kernels
+multiply by the reciprocal and redo by exact division the lanes that land near a tie,
+which gives the same integers — the bound is in quant_native.c.)
 
 Two paths, chosen once at import (:func:`backend_info` says which; ``zero-core report``
 prints it):
