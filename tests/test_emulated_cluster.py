@@ -336,9 +336,13 @@ def test_leftovers_of_a_killed_run_are_removed_at_start(privileged):
 def test_signals_remove_the_cluster(privileged, sig, code):
     """SIGTERM/SIGINT: the process removes its cluster on the way out. SIGKILL cannot be
     caught: the next cluster of the same prefix removes what is left when it starts."""
+    # SIGINT at its default disposition in the child: a job that a non-interactive shell
+    # started in the background (`cmd &`) inherits SIGINT ignored, and Python then never
+    # raises KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, CLUSTER_PY, "hold", "--prefix", PREFIX,
                              "--subnet", SUBNET, "--rate", "100mbit"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()  # printed once the cluster is up
         assert line.startswith("up:"), (line, proc.stderr.read() if proc.poll() is not None else "")
