@@ -72,7 +72,8 @@ def summarize(reports: list[dict], rate_bps: int | None) -> dict:
     if steps == 0:
         raise ValueError("the worker reported no timed steps")
     slowest = [max(r["step_times_s"][i] for r in reports) for i in range(steps)]
-    ledger = [r["ledger"]["inter_node_bytes"] / steps for r in reports]
+    # a peer without zero-core's ledger (DeepSpeed) reports ledger None: link bytes only
+    has_ledger = all(r.get("ledger") is not None for r in reports)
     link = [r.get("link_tx_bytes") for r in reports if r.get("link_tx_bytes") is not None]
     row = {
         "steps": steps,
@@ -80,9 +81,10 @@ def summarize(reports: list[dict], rate_bps: int | None) -> dict:
         "step_s_p10": percentile(slowest, 0.1),
         "step_s_p90": percentile(slowest, 0.9),
         "step_s": slowest,
-        "ledger_inter_node_bytes_per_rank_step": statistics.mean(ledger),
+        "ledger_inter_node_bytes_per_rank_step": statistics.mean(
+            r["ledger"]["inter_node_bytes"] / steps for r in reports) if has_ledger else None,
         "ledger_intra_node_bytes_per_rank_step": statistics.mean(
-            r["ledger"]["intra_node_bytes"] / steps for r in reports),
+            r["ledger"]["intra_node_bytes"] / steps for r in reports) if has_ledger else None,
         "link_bytes_per_rank_step": sum(link) / steps / world if len(link) == NUM_NODES else None,
         "link_bound_s": (max(link) / steps / (rate_bps / 8)
                          if len(link) == NUM_NODES and rate_bps else None),
@@ -105,10 +107,11 @@ def markdown(rows: list[dict]) -> str:
         base.setdefault(key, row["step_s_median"])
         link = row["link_bytes_per_rank_step"]
         bound = row["link_bound_s"]
+        ledger = row["ledger_inter_node_bytes_per_rank_step"]
         lines.append(
             f"| {row['rate']} | {row['variant']} | {row['step_s_median'] * 1e3:.1f} "
             f"| {row['step_s_p10'] * 1e3:.1f}-{row['step_s_p90'] * 1e3:.1f} "
-            f"| {row['ledger_inter_node_bytes_per_rank_step'] / MB:.2f} "
+            f"| {'n/a' if ledger is None else f'{ledger / MB:.2f}'} "
             f"| {'n/a' if link is None else f'{link / MB:.2f}'} "
             f"| {'n/a' if bound is None else f'{bound * 1e3:.1f}'} "
             f"| {base[key] / row['step_s_median']:.2f}x |")
@@ -151,6 +154,12 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if not os.path.exists(a.worker):
         p.error(f"worker {a.worker} does not exist")
+    if any(v.startswith("deepspeed") for v in variants):
+        import bench_engine as be  # the benchmark environment that has deepspeed
+        reason = be.deepspeed_or_reexec(__file__, sys.argv[1:] if argv is None else argv)
+        if reason is not None:
+            print(f"bench_cluster: DeepSpeed variants skipped: {reason}", file=sys.stderr)
+            variants = [v for v in variants if not v.startswith("deepspeed")]
 
     rows = []
     started = time.time()

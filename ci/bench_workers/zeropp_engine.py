@@ -5,8 +5,11 @@ ZeRO-3 + ZeRO++ (qwZ + hpZ + qgZ) training the example GPT (examples/gpt.py).
         --variants stage3,stage3-zeropp --worker-args "--model bench --micro 2"
 
 Variants: ``stage3`` (plain stage 3) and ``stage3-zeropp`` (zero_quantized_weights,
-zero_hpz_partition_size = ranks per node, zero_quantized_gradients). Both train in bf16
-with AdamW on the demo's text (examples/text_data.py), same seeds and batches.
+zero_hpz_partition_size = ranks per node, zero_quantized_gradients), and ``deepspeed-3``
+(DeepSpeed's ZeRO-3 with the same stage-3 settings, DS_ACCELERATOR=cpu, gloo, torch's AdamW;
+needs the benchmark environment with deepspeed: bench_cluster.py re-runs itself there). All
+train in bf16 with AdamW on the demo's text (examples/text_data.py), same seeds and batches.
+DeepSpeed has no zero-core ledger: its rows report the bytes that crossed the link only.
 
 ``stage3_max_reuse_distance`` defaults to 0 here: with DeepSpeed's default (1e9) and a
 model that fits the live window, stage 3 keeps every unit gathered from forward to
@@ -39,7 +42,7 @@ from text_data import GlobalBatchSampler, load_stdlib_text  # noqa: E402
 from zero_core.runtime import shutdown  # noqa: E402
 from zero_core.testing import report  # noqa: E402
 
-VARIANTS = ("stage3", "stage3-zeropp")
+VARIANTS = ("stage3", "stage3-zeropp", "deepspeed-3")
 
 
 def engine_config(variant: str, a, ranks_per_node: int) -> dict:
@@ -52,6 +55,40 @@ def engine_config(variant: str, a, ranks_per_node: int) -> dict:
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.0}},
             "zero_optimization": zero}
+
+
+class DeepSpeedRun:
+    """DeepSpeed's ZeRO-3 engine behind the few calls this worker makes of zero-core's."""
+
+    def __init__(self, model, a):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+        import torch.distributed as dist
+        deepspeed.init_distributed(dist_backend="gloo")
+        config = {"train_micro_batch_size_per_gpu": a.micro, "gradient_accumulation_steps": 1,
+                  "bf16": {"enabled": True},
+                  "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": a.max_reuse,
+                                        "stage3_param_persistence_threshold": a.persistence},
+                  # torch's AdamW, as in the other benchmarks (DeepSpeed's needs a C++ build)
+                  "zero_allow_untested_optimizer": True,
+                  "gradient_clipping": 0.0, "steps_per_print": 10**9}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        self.dist = dist
+        self.world_size, self.global_rank = dist.get_world_size(), dist.get_rank()
+        self.num_parameters = sum(p.ds_numel for p in model.parameters())
+
+    def __call__(self, x):
+        return self.engine(x)
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def step(self):
+        self.engine.step()
+
+    def barrier(self):
+        self.dist.barrier()
 
 
 def main() -> None:
@@ -72,9 +109,14 @@ def main() -> None:
     ranks_per_node = int(os.environ.get("ZERO_CORE_RANKS_PER_NODE") or
                          os.environ.get("LOCAL_WORLD_SIZE", "1"))
     model = build_model(a.model, seed=1234)
-    engine, *_ = zero_core.initialize(model=model,
-                                      config=engine_config(a.variant, a, ranks_per_node))
-    comm = engine.comm
+    if a.variant == "deepspeed-3":
+        engine = DeepSpeedRun(model, a)
+        comm, barrier = None, engine.barrier
+    else:
+        engine, *_ = zero_core.initialize(model=model,
+                                          config=engine_config(a.variant, a, ranks_per_node))
+        comm = engine.comm
+        barrier = comm.barrier
     tokens = load_stdlib_text(max_bytes=4 << 20).train
     seq = a.seq or model.cfg.block_size
     sampler = GlobalBatchSampler(tokens, seq, a.micro, engine.world_size, seed=0)
@@ -87,25 +129,32 @@ def main() -> None:
         return float(loss)
 
     losses = [step(i) for i in range(a.warmup)]
-    comm.barrier()
-    ledger0, link0 = comm.ledger.snapshot(), link_tx_bytes()
+    barrier()
+    ledger0 = comm.ledger.snapshot() if comm is not None else None
+    link0 = link_tx_bytes()
     times = []
     for i in range(a.warmup, a.warmup + a.steps):
-        comm.barrier()
+        barrier()
         start = time.perf_counter()
         losses.append(step(i))
         times.append(time.perf_counter() - start)
-    comm.barrier()
+    barrier()
     link1 = link_tx_bytes()
-    report({"rank": comm.rank, "variant": a.variant, "model": a.model,
-            "params": engine.num_parameters, "world_size": comm.world_size,
-            "ranks_per_node": comm.topology.ranks_per_node, "step_times_s": times,
-            "ledger": comm.ledger.difference(comm.ledger.snapshot(), ledger0),
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    report({"rank": engine.global_rank, "variant": a.variant, "model": a.model,
+            "params": engine.num_parameters, "world_size": engine.world_size,
+            "ranks_per_node": ranks_per_node, "step_times_s": times,
+            "ledger": (comm.ledger.difference(comm.ledger.snapshot(), ledger0)
+                       if comm is not None else None),
             "link_tx_bytes": (link1 - link0 if link0 is not None and link1 is not None
-                              and comm.launch.local_rank == 0 else None),
-            "losses": losses, "zeropp": engine.memory_report().get("zeropp")})
-    engine.destroy()
-    shutdown()
+                              and local_rank == 0 else None),
+            "losses": losses,
+            "zeropp": engine.memory_report().get("zeropp") if comm is not None else None})
+    if comm is not None:
+        engine.destroy()
+        shutdown()
+    else:
+        engine.dist.destroy_process_group()
 
 
 if __name__ == "__main__":
