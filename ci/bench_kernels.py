@@ -23,7 +23,7 @@ Peers for the Adam step (one 50M-element fp32 partition, AdamW, bias correction)
 ``DeepSpeedCPUAdam`` (``DS_ACCELERATOR=cpu``; it compiles its C++ op at run time), run in
 a child process under this interpreter if it has deepspeed, else under the benchmark
 environment ci/bench_engine.py uses ($ZERO_CORE_BENCH_PYTHON, $ZERO_CORE_BENCH_VENV,
-<repo>/.bench-venv, /work/bench-venv), with the same thread count; skipped with the
+<repo>/.bench-venv), with the same thread count; skipped with the
 reason if none has it. Tables go to stdout as markdown, numbers to --json.
 """
 from __future__ import annotations
@@ -224,14 +224,11 @@ print(json.dumps({"best_s": min(times), "median_s": statistics.median(times),
 
 
 def _bench_pythons() -> list[str]:
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    venv = os.environ.get("ZERO_CORE_BENCH_VENV") or os.path.join(repo, ".bench-venv")
-    found = [sys.executable]
-    for python in (os.environ.get("ZERO_CORE_BENCH_PYTHON"), os.path.join(venv, "bin", "python"),
-                   "/work/bench-venv/bin/python"):
-        if python and os.path.exists(python) and python not in found:
-            found.append(python)
-    return found
+    """This Python, then the benchmark environment's (bench_engine.find_bench_python)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_engine
+    other = bench_engine.find_bench_python()
+    return [sys.executable] + ([other] if other and other != sys.executable else [])
 
 
 def deepspeed_cpu_adam_row(n: int, reps: int):
