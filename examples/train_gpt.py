@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nvme-path", default=None,
                    help="directory for --offload nvme (default: a temporary directory)")
     p.add_argument("--comm", choices=("gloo", "mpi"), default=None,
-                   help="communication backend (default: the CPU accelerator's, gloo; mpi needs mpirun)")
+                   help="communication backend (default: the CPU accelerator's: mpi under mpirun, else gloo)")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per micro-step")

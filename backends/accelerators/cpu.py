@@ -23,12 +23,14 @@ _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 _MEMINFO = "/proc/meminfo"
 
-# The communicator a CPU job uses when none is configured. ci/bench_comm.py and
-# ci/bench_engine.py (README, Benchmarks) measured zero-core's gloo communicator 4-10% faster
-# than MPI on ZeRO's bucket sizes and steadier when cores are shared, so gloo is the default
-# under MPI launchers too (mpirun still provides the rendezvous); "comm_backend": "mpi" or
-# ZERO_CORE_COMM=mpi selects MPI. This is the one place to flip the choice.
-COMM_UNDER_MPI_LAUNCHER = "gloo"
+# The communicator a CPU job uses when none is configured. Under an MPI launcher it is MPI:
+# on a quiet machine (session 2, README Benchmarks) ci/bench_comm.py measured zero-core's MPI
+# communicator 1.7-3.2x faster than its gloo one on every collective from 1 MiB, and
+# ci/bench_engine.py / bench_stage3.py had stages 1-3 as fast or faster over MPI. (Session 1
+# had chosen gloo from runs where 8 jobs shared 2 cores: Open MPI busy-polls while it waits,
+# which costs most when cores are oversubscribed.) Otherwise gloo, which needs no MPI.
+# "comm_backend" or ZERO_CORE_COMM selects either. This is the one place to flip the choice.
+COMM_UNDER_MPI_LAUNCHER = "mpi"
 COMM_OTHERWISE = "gloo"
 
 
