@@ -61,7 +61,11 @@ class SavedViews:
         live = self.gatherer.live_storage
         if not live or t.layout is not torch.strided or t.device.type == "meta":
             return t
-        u = live.get(t.untyped_storage().data_ptr())
+        try:
+            address = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # tensor kinds without a plain storage
+            return t
+        u = live.get(address)
         if u is None or u.full is None or t.dtype != u.full.dtype:
             return t
         self.packed += 1
