@@ -242,18 +242,45 @@ class _RowReader:
         return buf.view(b1 - b0, bs)
 
 
-def quantize_torch(x: torch.Tensor, bits: int, block_size: int, *, out=None):
-    """:func:`quantize` on the torch path (whether or not the native library is loaded).
-
-    Returns ``(payload, scales)`` exactly as :func:`.quant_reference.quantize` does;
-    *out*, an optional preallocated ``(payload, scales)`` pair, receives the result.
-    """
+# The checks and output buffers of each kernel, shared by its torch and native paths.
+def _quantize_io(x: torch.Tensor, bits: int, block_size: int, out):
+    """(flat input, payload, scales) for quantizing *x* into *out* or new tensors."""
     check_input(x, bits, block_size)
     _require_cpu(x)
     flat = x.reshape(-1).contiguous()  # a strided 1-D input stays strided otherwise
     out = check_quant_out(out, flat.numel(), bits, block_size, x.device)
     payload, scales = out if out is not None else new_quant_out(flat.numel(), bits,
                                                                block_size, x.device)
+    return flat, payload, scales
+
+
+def _dequantize_io(payload: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+                   numel: int, dtype: torch.dtype, out) -> torch.Tensor:
+    """The flat output tensor (a view of *out*, or new) after checking the arguments."""
+    check_payload(payload, scales, bits, block_size, numel)
+    check_output_dtype(dtype)
+    _require_cpu(payload)
+    flat_out = check_dequant_out(out, numel, dtype, payload.device)
+    return flat_out if flat_out is not None else torch.empty(numel, dtype=dtype)
+
+
+def _reduce_io(payloads, scales, bits: int, block_size: int, numel: int | None, out):
+    """(stacked payloads, stacked scales, numel, out payload, out scales) for the fused op."""
+    p2, s2, numel = stack_senders(payloads, scales, bits, block_size, numel)
+    _require_cpu(p2)
+    out = check_quant_out(out, numel, bits, block_size, p2.device)
+    payload, out_scales = out if out is not None else new_quant_out(numel, bits, block_size,
+                                                                    p2.device)
+    return p2, s2, numel, payload, out_scales
+
+
+def quantize_torch(x: torch.Tensor, bits: int, block_size: int, *, out=None):
+    """:func:`quantize` on the torch path (whether or not the native library is loaded).
+
+    Returns ``(payload, scales)`` exactly as :func:`.quant_reference.quantize` does;
+    *out*, an optional preallocated ``(payload, scales)`` pair, receives the result.
+    """
+    flat, payload, scales = _quantize_io(x, bits, block_size, out)
     _quantize_chunks(_RowReader(flat, block_size), flat.numel(), bits, block_size, payload,
                      scales)
     return payload, scales
@@ -300,12 +327,7 @@ def dequantize_torch(payload: torch.Tensor, scales: torch.Tensor, bits: int,
     Bit-identical to :func:`.quant_reference.dequantize`; *out* is an optional
     preallocated flat tensor of *numel* elements of *dtype*.
     """
-    check_payload(payload, scales, bits, block_size, numel)
-    check_output_dtype(dtype)
-    _require_cpu(payload)
-    flat_out = check_dequant_out(out, numel, dtype, payload.device)
-    if flat_out is None:
-        flat_out = torch.empty(numel, dtype=dtype)
+    flat_out = _dequantize_io(payload, scales, bits, block_size, numel, dtype, out)
     payload, scales = payload.reshape(-1), scales.reshape(-1)
 
     def work(b0: int, b1: int) -> None:
@@ -325,11 +347,8 @@ def dequantize_reduce_requantize_torch(payloads, scales, bits: int, block_size: 
     Bit-identical to :func:`.quant_reference.dequantize_reduce_requantize`; the sum for a
     chunk of blocks is built in a cached scratch buffer and quantized while still in cache.
     """
-    p2, s2, numel = stack_senders(payloads, scales, bits, block_size, numel)
-    _require_cpu(p2)
-    out = check_quant_out(out, numel, bits, block_size, p2.device)
-    payload, out_scales = out if out is not None else new_quant_out(numel, bits, block_size,
-                                                                    p2.device)
+    p2, s2, numel, payload, out_scales = _reduce_io(payloads, scales, bits, block_size,
+                                                    numel, out)
     _quantize_chunks(_SumReader(p2, s2, bits, block_size, numel), numel, bits, block_size,
                      payload, out_scales)
     return payload, out_scales
@@ -395,12 +414,7 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, *, out=None):
     """
     if not native_in_use():
         return quantize_torch(x, bits, block_size, out=out)
-    check_input(x, bits, block_size)
-    _require_cpu(x)
-    flat = x.reshape(-1).contiguous()
-    out = check_quant_out(out, flat.numel(), bits, block_size, x.device)
-    payload, scales = out if out is not None else new_quant_out(flat.numel(), bits,
-                                                               block_size, x.device)
+    flat, payload, scales = _quantize_io(x, bits, block_size, out)
     _run_native(lambda b0, b1: quant_native.quantize_blocks(flat, bits, block_size, b0, b1,
                                                             payload, scales),
                 flat.numel(), block_size)
@@ -417,12 +431,7 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, bits: int, block_siz
     """
     if not native_in_use():
         return dequantize_torch(payload, scales, bits, block_size, numel, dtype, out=out)
-    check_payload(payload, scales, bits, block_size, numel)
-    check_output_dtype(dtype)
-    _require_cpu(payload)
-    flat_out = check_dequant_out(out, numel, dtype, payload.device)
-    if flat_out is None:
-        flat_out = torch.empty(numel, dtype=dtype)
+    flat_out = _dequantize_io(payload, scales, bits, block_size, numel, dtype, out)
     payload, scales = payload.reshape(-1).contiguous(), scales.reshape(-1).contiguous()
     _run_native(lambda b0, b1: quant_native.dequantize_blocks(payload, scales, bits,
                                                               block_size, numel, b0, b1,
@@ -441,11 +450,8 @@ def dequantize_reduce_requantize(payloads, scales, bits: int, block_size: int,
     if not native_in_use():
         return dequantize_reduce_requantize_torch(payloads, scales, bits, block_size, numel,
                                                   out=out)
-    p2, s2, numel = stack_senders(payloads, scales, bits, block_size, numel)
-    _require_cpu(p2)
-    out = check_quant_out(out, numel, bits, block_size, p2.device)
-    payload, out_scales = out if out is not None else new_quant_out(numel, bits, block_size,
-                                                                    p2.device)
+    p2, s2, numel, payload, out_scales = _reduce_io(payloads, scales, bits, block_size,
+                                                    numel, out)
     _run_native(lambda b0, b1: quant_native.reduce_blocks(p2, s2, bits, block_size, numel,
                                                           b0, b1, payload, out_scales),
                 numel, block_size)
