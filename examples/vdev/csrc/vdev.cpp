@@ -1,0 +1,667 @@
+// vdev: an out-of-tree PyTorch device on the PrivateUse1 dispatch key.
+//
+// What makes it a device and not a CPU in disguise:
+//   * its own allocator: every vdev tensor's bytes come from vdev_alloc() below, are
+//     counted per device (allocated / peak / limit), and are poisoned with 0xFF bytes
+//     (a NaN in every float format) on allocation, as uninitialised GPU memory is
+//     garbage; CPU code that forgets to initialise a buffer sees NaN, not zeros.
+//   * the boundary: ATen routes every op on a vdev tensor here (PrivateUse1), never to
+//     the CPU kernels directly. An op that mixes a vdev tensor with a CPU tensor of one
+//     or more dimensions, or two vdev devices, is refused with the error a GPU gives.
+//     Host <-> device bytes move only through copies (_copy_from), which are counted.
+//   * pinned host memory: pin_memory() on a CPU tensor allocates from a separate host
+//     allocator whose blocks are recognised by is_pinned().
+//
+// Compute runs on the host: the fallback kernel below views the operands' device memory
+// as CPU tensors (no copy) and redispatches the op to the CPU kernel, then re-homes the
+// results on the device. Results are therefore bit-identical to the CPU's.
+//
+// Python reaches the runtime through the custom ops in the `vdev` namespace (no pybind):
+// zero_core_vdev/runtime.py loads this library with torch.ops.load_library.
+
+#include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_local_scalar_dense_native.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/copy_native.h>
+#include <ATen/ops/resize_native.h>
+#include <ATen/ops/set_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace vdev {
+
+// ---------------------------------------------------------------------------------------
+// devices and their counters
+
+constexpr int kMaxDevices = 64;
+constexpr size_t kAlignment = 64;  // the CPU allocator's alignment: same vector paths
+
+struct DeviceCounters {
+  std::atomic<int64_t> allocated{0};
+  std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> num_allocs{0};
+  std::atomic<int64_t> h2d_bytes{0};  // host -> this device
+  std::atomic<int64_t> d2h_bytes{0};  // this device -> host
+  std::atomic<int64_t> d2d_bytes{0};  // device -> device, counted on the destination
+  std::atomic<int64_t> h2d_copies{0};
+  std::atomic<int64_t> d2h_copies{0};
+};
+
+std::array<DeviceCounters, kMaxDevices> g_counters;
+std::atomic<int64_t> g_pinned_allocated{0};
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::atoi(v) : fallback;
+}
+
+int64_t env_int64(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::atoll(v) : fallback;
+}
+
+// Read once: the number of devices of this process and the bytes each one holds.
+int device_count() {
+  static const int n = std::clamp(env_int("VDEV_DEVICE_COUNT", 8), 1, kMaxDevices);
+  return n;
+}
+
+int64_t memory_limit() {  // 0: no limit
+  static const int64_t limit = env_int64("VDEV_MEMORY_LIMIT", 0);
+  return limit;
+}
+
+bool poison_enabled() {
+  static const bool on = env_int("VDEV_POISON", 1) != 0;
+  return on;
+}
+
+// The current device is per thread, as with CUDA: a thread that never chose one is on 0.
+thread_local int t_current_device = 0;
+
+void check_index(int index) {
+  TORCH_CHECK(index >= 0 && index < device_count(), "vdev:", index,
+              " does not exist: this process has ", device_count(),
+              " vdev devices (vdev:0..vdev:", device_count() - 1,
+              "); set VDEV_DEVICE_COUNT before the first use to have more");
+}
+
+// ---------------------------------------------------------------------------------------
+// the device allocator
+
+struct Block {
+  void* ptr;
+  size_t size;
+  int device;
+};
+
+std::mutex g_blocks_mutex;
+std::unordered_map<const void*, Block> g_blocks;  // base pointer -> block, for ptr lookups
+
+void free_block(void* ctx) {
+  auto* block = static_cast<Block*>(ctx);
+  {
+    std::lock_guard<std::mutex> lock(g_blocks_mutex);
+    g_blocks.erase(block->ptr);
+  }
+  g_counters[block->device].allocated -= static_cast<int64_t>(block->size);
+  std::free(block->ptr);
+  delete block;
+}
+
+struct DeviceAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    const int device = t_current_device;
+    check_index(device);
+    auto& counters = g_counters[device];
+    const int64_t limit = memory_limit();
+    if (limit > 0 && counters.allocated.load() + static_cast<int64_t>(nbytes) > limit) {
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "vdev:", device,
+                       " out of memory: tried to allocate ", nbytes, " bytes with ",
+                       counters.allocated.load(), " of ", limit,
+                       " bytes (VDEV_MEMORY_LIMIT) already allocated");
+    }
+    void* ptr = nullptr;
+    if (nbytes > 0) {
+      const size_t rounded = (nbytes + kAlignment - 1) / kAlignment * kAlignment;
+      ptr = std::aligned_alloc(kAlignment, rounded);
+      TORCH_CHECK_WITH(OutOfMemoryError, ptr != nullptr, "vdev:", device,
+                       " out of memory: the host refused ", nbytes, " bytes");
+      if (poison_enabled()) std::memset(ptr, 0xFF, nbytes);
+    }
+    auto* block = new Block{ptr, nbytes, device};
+    if (ptr) {
+      std::lock_guard<std::mutex> lock(g_blocks_mutex);
+      g_blocks.emplace(ptr, *block);
+    }
+    const int64_t now = (counters.allocated += static_cast<int64_t>(nbytes));
+    int64_t peak = counters.peak.load();
+    while (now > peak && !counters.peak.compare_exchange_weak(peak, now)) {
+    }
+    counters.num_allocs += 1;
+    return {ptr, block, &free_block, c10::Device(c10::DeviceType::PrivateUse1, device)};
+  }
+
+  void copy_data(void* dest, const void* src, size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+};
+
+DeviceAllocator g_device_allocator;
+// what at::GetAllocator(PrivateUse1) returns: torch.UntypedStorage(n, device="vdev") uses it
+REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_device_allocator)
+
+// ---------------------------------------------------------------------------------------
+// pinned host memory: ordinary host memory that vdev recognises as staging memory
+
+std::mutex g_pinned_mutex;
+std::unordered_map<const void*, size_t> g_pinned;  // base pointer -> size
+
+void free_pinned(void* ptr) {
+  size_t size = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_pinned_mutex);
+    auto it = g_pinned.find(ptr);
+    if (it != g_pinned.end()) {
+      size = it->second;
+      g_pinned.erase(it);
+    }
+  }
+  g_pinned_allocated -= static_cast<int64_t>(size);
+  std::free(ptr);
+}
+
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* ptr = nullptr;
+    if (nbytes > 0) {
+      const size_t rounded = (nbytes + kAlignment - 1) / kAlignment * kAlignment;
+      ptr = std::aligned_alloc(kAlignment, rounded);
+      TORCH_CHECK_WITH(OutOfMemoryError, ptr != nullptr, "vdev: the host refused ",
+                       nbytes, " bytes of pinned memory");
+      std::lock_guard<std::mutex> lock(g_pinned_mutex);
+      g_pinned.emplace(ptr, nbytes);
+    }
+    g_pinned_allocated += static_cast<int64_t>(nbytes);
+    return {ptr, ptr, &free_pinned, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &free_pinned; }
+
+  void copy_data(void* dest, const void* src, size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+};
+
+PinnedAllocator g_pinned_allocator;
+
+bool is_pinned_ptr(const void* data) {
+  std::lock_guard<std::mutex> lock(g_pinned_mutex);
+  // a pinned block's interior pointers count too (views of a pinned buffer)
+  for (const auto& [base, size] : g_pinned) {
+    const char* b = static_cast<const char*>(base);
+    if (data >= base && data < b + size) return true;
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------
+// device guard: the current device per thread; one synchronous default stream per device
+
+struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return c10::DeviceType::PrivateUse1; }
+
+  c10::Device exchangeDevice(c10::Device d) const override {
+    const c10::Device old = getDevice();
+    if (d.index() != old.index()) setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override {
+    return c10::Device(c10::DeviceType::PrivateUse1, t_current_device);
+  }
+  void setDevice(c10::Device d) const override {
+    TORCH_CHECK(d.is_privateuseone(), "vdev: cannot make ", d, " the current device");
+    if (d.has_index()) {
+      check_index(d.index());
+      t_current_device = d.index();
+    }
+  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    if (d.has_index()) t_current_device = d.index();
+  }
+  c10::Stream getStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    return c10::Stream(c10::Stream::DEFAULT, s.device());
+  }
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return static_cast<c10::DeviceIndex>(device_count());
+  }
+  // Work runs to completion when it is issued: there is never anything to wait for.
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeDevice(const c10::DeviceIndex) const override {}
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, GuardImpl);
+
+// ---------------------------------------------------------------------------------------
+// hooks: what ATen asks of a PrivateUse1 backend (pinned memory, generators, pointers)
+
+struct Hooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  // vdev draws random numbers from the host's generator (its kernels are the CPU's),
+  // so torch.manual_seed() seeds it and CPU and vdev runs draw the same numbers.
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex) const override {
+    return at::detail::getDefaultCPUGenerator();
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex) const override {
+    return at::detail::createCPUGenerator();
+  }
+  at::Device getDeviceFromPtr(void* data) const override {
+    std::lock_guard<std::mutex> lock(g_blocks_mutex);
+    auto it = g_blocks.find(data);
+    TORCH_CHECK(it != g_blocks.end(), "vdev: pointer ", data,
+                " is not the start of a vdev allocation");
+    return c10::Device(c10::DeviceType::PrivateUse1, it->second.device);
+  }
+  bool isPinnedPtr(const void* data) const override { return is_pinned_ptr(data); }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), newsize);
+  }
+};
+
+struct HooksRegisterer {
+  HooksRegisterer() { at::RegisterPrivateUse1HooksInterface(new Hooks()); }
+};
+HooksRegisterer g_hooks_registerer;
+
+// ---------------------------------------------------------------------------------------
+// tensors: creation, views, copies
+
+constexpr c10::DispatchKeySet kVdevKeys(c10::DispatchKey::PrivateUse1);
+
+c10::Device resolve(std::optional<c10::Device> device) {
+  c10::Device d = device.value_or(c10::Device(c10::DeviceType::PrivateUse1));
+  TORCH_CHECK(d.is_privateuseone(), "vdev: cannot create a tensor on ", d, " here");
+  return d.has_index() ? d : c10::Device(c10::DeviceType::PrivateUse1, t_current_device);
+}
+
+void refuse_pinned_or_sparse(std::optional<c10::Layout> layout, std::optional<bool> pinned) {
+  TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided,
+              "vdev supports strided tensors only, not ", c10::layout_or_default(layout));
+  TORCH_CHECK(!c10::pinned_memory_or_default(pinned),
+              "pin_memory=True is for host tensors; a vdev tensor cannot be pinned");
+}
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                               std::optional<c10::Layout> layout,
+                               std::optional<c10::Device> device, std::optional<bool> pinned,
+                               std::optional<c10::MemoryFormat> memory_format) {
+  refuse_pinned_or_sparse(layout, pinned);
+  const c10::DeviceGuard guard(resolve(device));
+  return at::detail::empty_generic(size, &g_device_allocator, kVdevKeys,
+                                   c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+                         std::optional<c10::ScalarType> dtype, std::optional<c10::Layout> layout,
+                         std::optional<c10::Device> device, std::optional<bool> pinned) {
+  refuse_pinned_or_sparse(layout, pinned);
+  const c10::DeviceGuard guard(resolve(device));
+  return at::detail::empty_strided_generic(size, stride, &g_device_allocator, kVdevKeys,
+                                           c10::dtype_or_default(dtype));
+}
+
+at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
+                      std::optional<int64_t> storage_offset) {
+  return at::native::as_strided_tensorimpl(self, size, stride, storage_offset);
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
+                          std::optional<at::MemoryFormat> memory_format) {
+  const c10::DeviceGuard guard(self.device());
+  return at::native::resize_(self, size, memory_format);
+}
+
+at::Tensor reshape_alias(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
+  return at::native::_reshape_alias(self, size, stride);
+}
+
+at::Tensor view(const at::Tensor& self, c10::IntArrayRef size) {
+  return at::native::view(self, size);
+}
+
+at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) {
+  return at::native::set_tensor_(self, source);
+}
+
+at::Tensor& set_source_storage(at::Tensor& self, at::Storage source) {
+  return at::native::set_(self, source);
+}
+
+at::Tensor& set_source_storage_offset(at::Tensor& self, at::Storage source, int64_t offset,
+                                      c10::IntArrayRef size, c10::IntArrayRef stride) {
+  return at::native::set_storage_cpu_(self, source, offset, size, stride);
+}
+
+// The memory of a vdev tensor seen as a CPU tensor (same storage bytes, offset, sizes and
+// strides), for the host kernels that compute on it. The view holds a reference to the
+// device storage. Its storage is resizable: a CPU kernel that resizes an out= argument
+// gets new host memory, and the fallback copies the result back (write_back_resized).
+// Never handed to user code: it is how the device's own kernels touch its memory.
+void release_device_storage(void* ctx) { delete static_cast<c10::Storage*>(ctx); }
+
+at::Tensor host_view(const at::Tensor& t) {
+  const c10::Storage& storage = t.storage();
+  void* base = const_cast<void*>(storage.data());
+  c10::DataPtr data(base, new c10::Storage(storage), &release_device_storage,
+                    c10::Device(c10::kCPU));
+  auto impl = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),
+                                                    storage.nbytes(), std::move(data),
+                                                    at::getCPUAllocator(), /*resizable=*/true);
+  at::Tensor host = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(std::move(impl)), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  host.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  return host;
+}
+
+void count_copy(const at::Tensor& src, const at::Tensor& dst) {
+  const int64_t nbytes = static_cast<int64_t>(dst.numel()) * dst.element_size();
+  if (src.is_privateuseone() && dst.is_privateuseone()) {
+    g_counters[dst.device().index()].d2d_bytes += nbytes;
+  } else if (dst.is_privateuseone()) {
+    g_counters[dst.device().index()].h2d_bytes += nbytes;
+    g_counters[dst.device().index()].h2d_copies += 1;
+  } else {
+    g_counters[src.device().index()].d2h_bytes += nbytes;
+    g_counters[src.device().index()].d2h_copies += 1;
+  }
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  TORCH_CHECK(self.defined() && dst.defined(), "vdev copy: undefined tensor");
+  TORCH_CHECK((self.is_cpu() || self.is_privateuseone()) && (dst.is_cpu() || dst.is_privateuseone()),
+              "vdev copies between vdev and cpu only, not from ", self.device(), " to ",
+              dst.device());
+  count_copy(self, dst);
+  at::Tensor dst_host = dst.is_privateuseone() ? host_view(dst) : dst;
+  const at::Tensor src_host = self.is_privateuseone() ? host_view(self) : self;
+  at::native::copy_(dst_host, src_host, non_blocking);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  const c10::DeviceGuard guard(dst.device());
+  at::native::resize_(dst, self.sizes(), std::nullopt);
+  return copy_from(self, dst, false);
+}
+
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  g_counters[self.device().index()].d2h_bytes += self.element_size();
+  g_counters[self.device().index()].d2h_copies += 1;
+  return at::native::_local_scalar_dense_cpu(host_view(self));
+}
+
+// ---------------------------------------------------------------------------------------
+// the fallback kernel: every other op
+
+struct Operand {
+  at::Tensor device_tensor;  // the caller's vdev tensor
+  at::Tensor host;           // host_view() of it, handed to the CPU kernel
+  bool written;              // an in-place or out= argument: the kernel may resize it
+};
+
+[[noreturn]] void refuse_mixed(const c10::OperatorHandle& op, const c10::Device& a,
+                               const c10::Device& b) {
+  TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two "
+              "devices, ", a, " and ", b, "! (in ", op.schema().operator_name(),
+              "; move them with .to(device) first)");
+}
+
+c10::Device current() { return c10::Device(c10::DeviceType::PrivateUse1, t_current_device); }
+
+// One op on its way to the CPU kernel and back.
+struct Fallback {
+  const c10::OperatorHandle& op;
+  std::optional<c10::Device> device;  // the vdev device the op runs on
+  std::vector<Operand> operands;
+
+  void see_device(const c10::Device& d) {
+    if (!device) {
+      device = d;
+    } else if (*device != d) {
+      refuse_mixed(op, *device, d);
+    }
+  }
+
+  // A tensor argument: a vdev tensor becomes a host view of its memory; a CPU tensor is
+  // allowed only as a 0-dim scalar (as CUDA allows) or as an index (allow_cpu).
+  at::Tensor to_host(const at::Tensor& t, bool allow_cpu, bool written) {
+    if (!t.defined()) return t;
+    if (t.is_privateuseone()) {
+      see_device(t.device());
+      at::Tensor host = host_view(t);
+      operands.push_back({t, host, written});
+      return host;
+    }
+    if (t.is_cpu() && (t.dim() == 0 || allow_cpu)) return t;
+    refuse_mixed(op, device.value_or(current()), t.device());
+  }
+
+  c10::IValue arg_to_host(const c10::IValue& v, bool written) {
+    if (v.isTensor()) return to_host(v.toTensor(), false, written);
+    if (v.isDevice() && v.toDevice().is_privateuseone()) {  // factory ops' device=
+      see_device(resolve(v.toDevice()));
+      return c10::IValue(c10::Device(c10::kCPU));
+    }
+    if (v.isList()) {
+      auto list = v.toList();
+      const bool index_list = !v.isTensorList();  // Tensor?[] (indices) may hold CPU tensors
+      c10::impl::GenericList out(list.elementType());
+      out.reserve(list.size());
+      bool changed = false;
+      for (const c10::IValue& item : list) {
+        if (item.isTensor()) {
+          out.push_back(to_host(item.toTensor(), index_list, written));
+          changed = true;
+        } else {
+          out.push_back(item);
+        }
+      }
+      return changed ? c10::IValue(out) : v;
+    }
+    return v;
+  }
+
+  // The operand whose memory a host tensor returned by the CPU kernel lives in, if any.
+  const Operand* owner_of(const at::Tensor& host) const {
+    if (!host.defined() || !host.has_storage() || host.storage().data() == nullptr)
+      return nullptr;
+    const char* p = static_cast<const char*>(host.storage().data());
+    for (const auto& o : operands) {
+      const auto& s = o.device_tensor.storage();
+      const char* base = static_cast<const char*>(s.data());
+      if (base && p >= base && p < base + s.nbytes()) return &o;
+    }
+    return nullptr;
+  }
+
+  // A tensor returned by the CPU kernel, back on the device: the caller's own tensor for
+  // in-place and out= results, a device view for views, a fresh device tensor otherwise.
+  at::Tensor result_to_device(const at::Tensor& host) {
+    if (!host.defined() || host.is_privateuseone()) return host;
+    for (const auto& o : operands) {
+      if (o.host.unsafeGetTensorImpl() == host.unsafeGetTensorImpl()) return o.device_tensor;
+    }
+    if (const Operand* o = owner_of(host)) {
+      const c10::Storage& storage = o->device_tensor.storage();
+      const int64_t offset = (static_cast<const char*>(host.data_ptr()) -
+                              static_cast<const char*>(storage.data())) /
+                             static_cast<int64_t>(host.element_size());
+      at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage),
+                                                                 kVdevKeys, host.dtype());
+      view.unsafeGetTensorImpl()->set_sizes_and_strides(host.sizes(), host.strides(), offset);
+      return view;
+    }
+    const c10::DeviceGuard guard(device.value_or(current()));
+    at::Tensor out = at::detail::empty_strided_generic(host.sizes(), host.strides(),
+                                                       &g_device_allocator, kVdevKeys,
+                                                       host.scalar_type());
+    if (host.numel() > 0) {
+      at::Tensor out_host = host_view(out);
+      at::native::copy_(out_host, host, false);
+    }
+    return out;
+  }
+
+  c10::IValue result_to_device(const c10::IValue& v) {
+    if (v.isTensor()) return result_to_device(v.toTensor());
+    if (v.isTensorList()) {
+      c10::List<at::Tensor> out;
+      for (const at::Tensor& t : v.toTensorList()) out.push_back(result_to_device(t));
+      return out;
+    }
+    return v;
+  }
+
+  // An out= or in-place operand that the CPU kernel resized onto new memory: give the
+  // device tensor the new shape and the data.
+  void write_back_resized() {
+    for (auto& o : operands) {
+      if (!o.written) continue;
+      const bool same = o.host.data_ptr() == o.device_tensor.data_ptr() &&
+                        o.host.sizes() == o.device_tensor.sizes() &&
+                        o.host.strides() == o.device_tensor.strides();
+      if (same) continue;
+      const c10::DeviceGuard guard(o.device_tensor.device());
+      at::native::resize_(o.device_tensor, o.host.sizes(), std::nullopt);
+      if (o.host.numel() > 0) {
+        at::Tensor dst = host_view(o.device_tensor);
+        at::native::copy_(dst, o.host, false);
+      }
+    }
+  }
+};
+
+void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
+  const size_t first = stack->size() - num_args;
+  Fallback f{op, std::nullopt, {}};
+  for (size_t i = 0; i < num_args; ++i) {
+    const auto* alias = schema.arguments()[i].alias_info();
+    (*stack)[first + i] = f.arg_to_host((*stack)[first + i], alias && alias->isWrite());
+  }
+  {
+    std::optional<c10::DeviceGuard> guard;
+    if (f.device) guard.emplace(*f.device);
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  }
+  f.write_back_resized();
+  const size_t num_returns = schema.returns().size();
+  const size_t rfirst = stack->size() - num_returns;
+  for (size_t i = 0; i < num_returns; ++i) {
+    (*stack)[rfirst + i] = f.result_to_device((*stack)[rfirst + i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// the runtime's own ops, for Python (zero_core_vdev/runtime.py)
+
+int64_t op_device_count() { return device_count(); }
+int64_t op_current_device() { return t_current_device; }
+void op_set_device(int64_t index) {
+  check_index(static_cast<int>(index));
+  t_current_device = static_cast<int>(index);
+}
+
+// [allocated, peak, num_allocs, h2d_bytes, d2h_bytes, d2d_bytes, h2d_copies, d2h_copies,
+//  limit, pinned_allocated]
+std::vector<int64_t> op_memory_stats(int64_t index) {
+  check_index(static_cast<int>(index));
+  const auto& c = g_counters[index];
+  return {c.allocated.load(), c.peak.load(), c.num_allocs.load(), c.h2d_bytes.load(),
+          c.d2h_bytes.load(), c.d2d_bytes.load(), c.h2d_copies.load(),
+          c.d2h_copies.load(), memory_limit(), g_pinned_allocated.load()};
+}
+
+void op_reset_peak(int64_t index) {
+  check_index(static_cast<int>(index));
+  g_counters[index].peak = g_counters[index].allocated.load();
+}
+
+void op_reset_transfers(int64_t index) {
+  check_index(static_cast<int>(index));
+  auto& c = g_counters[index];
+  c.h2d_bytes = 0;
+  c.d2h_bytes = 0;
+  c.d2d_bytes = 0;
+  c.h2d_copies = 0;
+  c.d2h_copies = 0;
+}
+
+at::Tensor op_host_view(const at::Tensor& t) {
+  TORCH_CHECK(t.is_privateuseone(), "vdev.host_view takes a vdev tensor, got one on ",
+              t.device());
+  return host_view(t);
+}
+
+}  // namespace vdev
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", TORCH_FN(vdev::empty_memory_format));
+  m.impl("empty_strided", TORCH_FN(vdev::empty_strided));
+  m.impl("as_strided", TORCH_FN(vdev::as_strided));
+  m.impl("resize_", TORCH_FN(vdev::resize_));
+  m.impl("_reshape_alias", TORCH_FN(vdev::reshape_alias));
+  m.impl("view", TORCH_FN(vdev::view));
+  m.impl("set_.source_Tensor", TORCH_FN(vdev::set_source_tensor));
+  m.impl("set_.source_Storage", TORCH_FN(vdev::set_source_storage));
+  m.impl("set_.source_Storage_storage_offset", TORCH_FN(vdev::set_source_storage_offset));
+  m.impl("_copy_from", TORCH_FN(vdev::copy_from));
+  m.impl("_copy_from_and_resize", TORCH_FN(vdev::copy_from_and_resize));
+  m.impl("_local_scalar_dense", TORCH_FN(vdev::local_scalar_dense));
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&vdev::fallback>());
+}
+
+TORCH_LIBRARY(vdev, m) {
+  m.def("device_count() -> int", &vdev::op_device_count);
+  m.def("current_device() -> int", &vdev::op_current_device);
+  m.def("set_device(int index) -> ()", &vdev::op_set_device);
+  m.def("memory_stats(int index) -> int[]", &vdev::op_memory_stats);
+  m.def("reset_peak(int index) -> ()", &vdev::op_reset_peak);
+  m.def("reset_transfers(int index) -> ()", &vdev::op_reset_transfers);
+  m.def("host_view(Tensor(a) t) -> Tensor(a)");
+}
+
+TORCH_LIBRARY_IMPL(vdev, PrivateUse1, m) {
+  m.impl("host_view", TORCH_FN(vdev::op_host_view));
+}

@@ -1,0 +1,178 @@
+"""Loads the vdev runtime library and makes ``vdev`` a PyTorch device.
+
+After ``import zero_core_vdev``: ``torch.device("vdev", i)`` exists, tensors move with
+``.to("vdev")`` / ``.cpu()`` / ``.vdev()``, and ``torch.vdev`` is the device module
+(device count, current device, memory statistics), as ``torch.cuda`` is for GPUs.
+
+The library (csrc/vdev.cpp) is compiled when the package is installed. Importing it
+twice is harmless; importing it into a process whose PrivateUse1 key already belongs to
+another backend is refused with the name of that backend.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import threading
+
+import torch
+
+NAME = "vdev"
+_lock = threading.Lock()
+_loaded = False
+
+
+class VdevNotBuiltError(ImportError):
+    """The compiled runtime is missing from the installed package."""
+
+
+def _library_path() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_vdev_runtime*.so")))
+    if not found:
+        raise VdevNotBuiltError(
+            f"the vdev runtime library (_vdev_runtime*.so) is not in {here}: the package was "
+            f"installed without compiling csrc/vdev.cpp. Reinstall it with a C++ compiler "
+            f"present: pip install --no-build-isolation ./examples/vdev")
+    return found[0]
+
+
+def load() -> None:
+    """Load the runtime and register the device once per process."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        current = torch._C._get_privateuse1_backend_name()
+        if current not in ("privateuseone", NAME):
+            raise RuntimeError(
+                f"cannot register vdev: this process's PrivateUse1 device is already "
+                f"'{current}' (PyTorch has one out-of-tree device slot per process)")
+        torch.ops.load_library(_library_path())
+        if current != NAME:
+            torch.utils.rename_privateuse1_backend(NAME)
+        torch._register_device_module(NAME, _DeviceModule())
+        # tensor.vdev(), tensor.is_vdev, module.vdev(), storage.vdev() (serialization uses it)
+        torch.utils.generate_methods_for_privateuse1_backend(
+            for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
+        _loaded = True
+
+
+def _index(device=None) -> int:
+    if device is None:
+        return int(torch.ops.vdev.current_device())
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != NAME:
+        raise ValueError(f"expected a vdev device, got {device}")
+    return int(torch.ops.vdev.current_device()) if device.index is None else device.index
+
+
+_STAT_NAMES = ("allocated", "peak", "num_allocs", "h2d_bytes", "d2h_bytes", "d2d_bytes",
+               "h2d_copies", "d2h_copies", "limit", "pinned_allocated")
+
+
+class _DeviceModule:
+    """``torch.vdev``: what PyTorch and users ask of a device module."""
+
+    # ---- devices ---------------------------------------------------------------------
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def _lazy_init() -> None:
+        pass
+
+    @staticmethod
+    def device_count() -> int:
+        return int(torch.ops.vdev.device_count())
+
+    @staticmethod
+    def current_device() -> int:
+        return int(torch.ops.vdev.current_device())
+
+    @staticmethod
+    def set_device(device) -> None:
+        torch.ops.vdev.set_device(_index(device))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def device(device):
+        """Context manager that makes *device* the current vdev device."""
+        previous = int(torch.ops.vdev.current_device())
+        torch.ops.vdev.set_device(_index(device))
+        try:
+            yield
+        finally:
+            torch.ops.vdev.set_device(previous)
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        """vdev runs each op to completion when it is issued: nothing is ever pending."""
+
+    # ---- random numbers: vdev draws from the host generator (see csrc/vdev.cpp) ---------
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    manual_seed_all = manual_seed
+
+    @staticmethod
+    def seed() -> None:
+        torch.seed()
+
+    @staticmethod
+    def initial_seed() -> int:
+        return torch.initial_seed()
+
+    @staticmethod
+    def get_rng_state(device=None) -> torch.Tensor:
+        # the host generator's state is saved by whoever saves the CPU state
+        return torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def set_rng_state(state, device=None) -> None:
+        pass
+
+    # ---- autocast ------------------------------------------------------------------------
+    @staticmethod
+    def get_amp_supported_dtype():
+        return [torch.bfloat16, torch.float16]
+
+    # ---- memory --------------------------------------------------------------------------
+    @staticmethod
+    def memory_stats(device=None) -> dict:
+        """Allocator and transfer counters of one device, in bytes and counts."""
+        values = torch.ops.vdev.memory_stats(_index(device))
+        return dict(zip(_STAT_NAMES, (int(v) for v in values)))
+
+    @classmethod
+    def memory_allocated(cls, device=None) -> int:
+        return cls.memory_stats(device)["allocated"]
+
+    @classmethod
+    def max_memory_allocated(cls, device=None) -> int:
+        return cls.memory_stats(device)["peak"]
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        torch.ops.vdev.reset_peak(_index(device))
+
+    @staticmethod
+    def reset_transfer_stats(device=None) -> None:
+        torch.ops.vdev.reset_transfers(_index(device))
+
+    @staticmethod
+    def host_view(tensor: torch.Tensor) -> torch.Tensor:
+        """The device memory of *tensor* as a CPU tensor, no copy: for kernels only."""
+        return torch.ops.vdev.host_view(tensor)
