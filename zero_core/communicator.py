@@ -9,7 +9,11 @@ and the group instead of hanging when a peer dies.
 Conventions:
 - every tensor is contiguous; input and output of one call share a dtype and device;
 - ``src`` of ``broadcast`` is a rank *within the group*;
-- group creation is collective: every rank of the world calls it with the same arguments.
+- group creation is collective: every rank of the world calls it with the same arguments;
+- a tensor on a device the backend cannot carry (``device_types``) is staged through
+  pinned host buffers when the runtime has enabled staging for that device
+  (:meth:`Communicator.enable_staging`, :mod:`zero_core.comm_staging`); the copies are
+  counted in the ledger as ``staged_bytes`` / ``staging_s``.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
+from .comm_staging import HostStaging, StagedCall
 from .errors import CommError, CommTimeoutError
 from .launch import LaunchInfo
 from .ledger import CommLedger, LedgerEntry, sent_bytes
@@ -94,6 +99,22 @@ class Handle:
         return bool(self._test_fn()) if self._test_fn else False
 
 
+def _finish_staging_after(handle: Handle, staged: StagedCall, record) -> None:
+    """Make *handle*'s completion copy the staged results back to the device (after the
+    backend's own finishing work), return the buffers, then *record* the staging cost."""
+    before = handle._finish
+
+    def finish():
+        try:
+            if before is not None:
+                before()
+        finally:
+            staged.finish()
+        record()
+
+    handle._finish = finish
+
+
 def poll_until(test: Callable[[], bool], timeout: float) -> bool:
     """Wait for *test()* to become true, sleeping progressively; False on timeout.
 
@@ -133,7 +154,14 @@ class Communicator(ABC):
         self.ledger = CommLedger()
         self._groups: dict[str, Group] = {}
         self._group_counter = 0  # before _init_world: a backend may make groups there
+        self.staging: HostStaging | None = None
         self.world: Group = self._init_world()
+
+    def enable_staging(self, accelerator) -> None:
+        """Carry tensors of *accelerator*'s device through pinned host buffers (for a
+        backend whose ``device_types`` lack that device). Called by the runtime."""
+        if accelerator.device_type() not in self.device_types:
+            self.staging = HostStaging(accelerator)
 
     # ---- backend hooks -------------------------------------------------------------
     @abstractmethod
@@ -220,8 +248,11 @@ class Communicator(ABC):
             raise CommError(f"all_gather_into on '{group.name}': output has {output.numel()} "
                             f"elements but needs input.numel() * group size = {input.numel()} "
                             f"* {group.size} = {input.numel() * group.size}")
+        staged = self._stage(input, output)
+        if staged:
+            input, output = staged.host(input), staged.host(output, read=False, written=True)
         return self._run("all_gather_into", group, input, async_op,
-                         lambda: self._all_gather_into(output, input, group))
+                         lambda: self._all_gather_into(output, input, group), staged=staged)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                        group: Group | None = None, async_op: bool = False):
@@ -233,8 +264,11 @@ class Communicator(ABC):
             raise CommError(f"reduce_scatter on '{group.name}': input has {input.numel()} "
                             f"elements but needs output.numel() * group size = "
                             f"{output.numel()} * {group.size} = {output.numel() * group.size}")
+        staged = self._stage(input, output)
+        if staged:
+            input, output = staged.host(input), staged.host(output, read=False, written=True)
         return self._run("reduce_scatter", group, input, async_op,
-                         lambda: self._reduce_scatter(output, input, op, group))
+                         lambda: self._reduce_scatter(output, input, op, group), staged=staged)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Group | None = None,
                    async_op: bool = False):
@@ -242,8 +276,11 @@ class Communicator(ABC):
         group = self._check_group(group, "all_reduce")
         self._check_tensor("all_reduce", tensor)
         self._check_op("all_reduce", op)
+        staged = self._stage(tensor)
+        if staged:
+            tensor = staged.host(tensor, written=True)
         return self._run("all_reduce", group, tensor, async_op,
-                         lambda: self._all_reduce(tensor, op, group))
+                         lambda: self._all_reduce(tensor, op, group), staged=staged)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           group: Group | None = None, async_op: bool = False):
@@ -254,8 +291,11 @@ class Communicator(ABC):
             raise CommError(f"all_to_all_single on '{group.name}': input ({input.numel()}) and "
                             f"output ({output.numel()}) must have the same number of elements, "
                             f"divisible by the group size {group.size}")
+        staged = self._stage(input, output)
+        if staged:
+            input, output = staged.host(input), staged.host(output, read=False, written=True)
         return self._run("all_to_all_single", group, input, async_op,
-                         lambda: self._all_to_all_single(output, input, group))
+                         lambda: self._all_to_all_single(output, input, group), staged=staged)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, group: Group | None = None,
                   async_op: bool = False):
@@ -265,8 +305,13 @@ class Communicator(ABC):
         if not 0 <= src < group.size:
             raise CommError(f"broadcast on '{group.name}': src={src} is not a rank of the "
                             f"group (0..{group.size - 1}; src is the rank within the group)")
+        is_source = group.rank == src
+        staged = self._stage(tensor)
+        if staged:  # only the source's bytes go out, only the others' come back
+            tensor = staged.host(tensor, read=is_source, written=not is_source)
         return self._run("broadcast", group, tensor, async_op,
-                         lambda: self._broadcast(tensor, src, group), is_source=group.rank == src)
+                         lambda: self._broadcast(tensor, src, group), is_source=is_source,
+                         staged=staged)
 
     def barrier(self, group: Group | None = None) -> None:
         """Block until every rank of the group has reached the barrier (or time out)."""
@@ -274,9 +319,18 @@ class Communicator(ABC):
         self._run("barrier", group, None, False, lambda: self._barrier(group))
 
     # ---- helpers ---------------------------------------------------------------------
-    def _run(self, op, group, payload, async_op, launch, is_source=False):
+    def _stage(self, *tensors) -> StagedCall | None:
+        """A StagedCall when the tensors are on the staged device, else None."""
+        if self.staging is not None and self.staging.handles(tensors[0]):
+            return StagedCall(self.staging)
+        return None
+
+    def _run(self, op, group, payload, async_op, launch, is_source=False, staged=None):
         nbytes = payload.numel() * payload.element_size() if payload is not None else 0
         handle = launch()
+        if staged is not None:
+            _finish_staging_after(handle, staged, lambda: self.ledger.record_staging(
+                handle.wire_op or op, staged.bytes, staged.seconds))
         wire_op = handle.wire_op or op
         if handle.wire_payload_bytes is not None:
             nbytes = handle.wire_payload_bytes
@@ -307,7 +361,8 @@ class Communicator(ABC):
         if not t.is_contiguous():
             raise CommError(f"{op}: tensor of shape {tuple(t.shape)} is not contiguous; "
                             f"call .contiguous() or pass a flat buffer")
-        if t.device.type not in self.device_types:
+        if t.device.type not in self.device_types and not (
+                self.staging is not None and self.staging.handles(t)):
             raise CommError(f"{op}: the {self.name} communicator carries tensors on "
                             f"{self.device_types}, not on '{t.device}'")
         if not self.supports(op, t.dtype):

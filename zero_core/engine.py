@@ -29,6 +29,7 @@ from .memory import MemoryLedger, model_state_breakdown, optimizer_k
 from .model_sync import broadcast_buffers, check_parameters_match
 from .optimizer_spec import collect_param_groups, rule_from_config, rule_from_torch_optimizer
 from .partitioned_optimizer import PartitionedOptimizer
+from .placement import move_module
 from .runtime import Runtime, init_distributed
 
 
@@ -99,7 +100,7 @@ class ZeroEngine(torch.nn.Module):
     # Hook points: the stage-3 engine (stage3/engine.py) overrides these three.
     def _prepare_model(self, model):
         """Move *model* to the device and make every rank start from the same values."""
-        model.to(self.device)
+        move_module(model, self.device)
         broadcast_buffers(model, self.comm)
         check_parameters_match(model, self.comm)
 
@@ -158,16 +159,27 @@ class ZeroEngine(torch.nn.Module):
 
     # ---- training API -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        """Run the model. In bf16/fp16 training, floating-point tensor arguments are cast to
-        the compute dtype (integer inputs such as token ids are left alone)."""
-        if self.compute_dtype != torch.float32:
-            args = tuple(self._cast(a) for a in args)
-            kwargs = {k: self._cast(v) for k, v in kwargs.items()}
+        """Run the model. Tensor arguments (also inside tuples, lists and dicts) are moved to
+        ``self.device``, so a data loader's host batches work on every accelerator; in
+        bf16/fp16 training floating-point ones are cast to the compute dtype (integer inputs
+        such as token ids are left alone). Targets given to the loss are the caller's to
+        move (``y.to(engine.device)``)."""
+        args = tuple(self._to_device(a) for a in args)
+        kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         return self.module(*args, **kwargs)
 
-    def _cast(self, x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.compute_dtype:
-            return x.to(self.compute_dtype)
+    def _to_device(self, x):
+        if isinstance(x, torch.Tensor):
+            if x.device != self.device:
+                x = x.to(self.device)
+            if (self.compute_dtype != torch.float32 and x.is_floating_point()
+                    and x.dtype != self.compute_dtype):
+                x = x.to(self.compute_dtype)
+            return x
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            return type(x)(self._to_device(v) for v in x)
+        if isinstance(x, dict):
+            return type(x)((k, self._to_device(v)) for k, v in x.items())
         return x
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:

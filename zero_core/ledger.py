@@ -17,6 +17,10 @@ broadcast          B on the source, 0 elsewhere (pipelined trees forward it, but
 barrier            0
 =================  ====================================
 
+Collectives on device tensors that a host-only communicator carries are staged through
+pinned host buffers (:mod:`zero_core.comm_staging`); the device<->host copies they cost
+are recorded per op as ``staged_bytes`` (both directions) and ``staging_s`` (seconds).
+
 A group "spans nodes" when its ranks sit on more than one node of the topology; its
 bytes are counted as inter-node. That is the link class ZeRO++'s claims are about.
 """
@@ -61,6 +65,7 @@ class CommLedger:
         self._keep = keep_entries
         self.entries: list[LedgerEntry] = []
         self._totals: dict[tuple[str, bool], list[int]] = defaultdict(lambda: [0, 0, 0])
+        self._staging: dict[str, list] = defaultdict(lambda: [0, 0.0])
 
     def record(self, entry: LedgerEntry) -> None:
         with self._lock:
@@ -71,10 +76,17 @@ class CommLedger:
             if self._keep and len(self.entries) < self._keep:
                 self.entries.append(entry)
 
+    def record_staging(self, op: str, nbytes: int, seconds: float) -> None:
+        """Device<->host copies made to carry one *op* through host buffers."""
+        with self._lock:
+            t = self._staging[op]
+            t[0] += nbytes
+            t[1] += seconds
+
     def snapshot(self) -> dict:
         """Totals so far: ``{"ops": {op: {"calls", "payload_bytes", "sent_bytes",
-        "inter_node_bytes", "intra_node_bytes"}}, "sent_bytes", "inter_node_bytes",
-        "intra_node_bytes"}``."""
+        "inter_node_bytes", "intra_node_bytes", "staged_bytes", "staging_s"}},
+        "sent_bytes", "inter_node_bytes", "intra_node_bytes", "staged_bytes", "staging_s"}``."""
         with self._lock:
             ops: dict[str, dict[str, int]] = {}
             for (op, inter), (calls, payload, sent) in self._totals.items():
@@ -84,11 +96,19 @@ class CommLedger:
                 d["payload_bytes"] += payload
                 d["sent_bytes"] += sent
                 d["inter_node_bytes" if inter else "intra_node_bytes"] += sent
+            for d in ops.values():
+                d.setdefault("staged_bytes", 0)
+                d.setdefault("staging_s", 0.0)
+            for op, (staged, seconds) in self._staging.items():
+                if op in ops:
+                    ops[op]["staged_bytes"], ops[op]["staging_s"] = staged, seconds
         return {
             "ops": ops,
             "sent_bytes": sum(d["sent_bytes"] for d in ops.values()),
             "inter_node_bytes": sum(d["inter_node_bytes"] for d in ops.values()),
             "intra_node_bytes": sum(d["intra_node_bytes"] for d in ops.values()),
+            "staged_bytes": sum(d["staged_bytes"] for d in ops.values()),
+            "staging_s": sum(d["staging_s"] for d in ops.values()),
         }
 
     @staticmethod
@@ -104,9 +124,12 @@ class CommLedger:
             "sent_bytes": after["sent_bytes"] - before["sent_bytes"],
             "inter_node_bytes": after["inter_node_bytes"] - before["inter_node_bytes"],
             "intra_node_bytes": after["intra_node_bytes"] - before["intra_node_bytes"],
+            "staged_bytes": after.get("staged_bytes", 0) - before.get("staged_bytes", 0),
+            "staging_s": after.get("staging_s", 0.0) - before.get("staging_s", 0.0),
         }
 
     def reset(self) -> None:
         with self._lock:
             self._totals.clear()
+            self._staging.clear()
             self.entries.clear()

@@ -107,6 +107,8 @@ def init_distributed(accelerator: str | None = None, comm_backend: str | None = 
     acc.set_device(launch.local_rank)
     device = acc.device(launch.local_rank)
     comm = comm_cls(launch, topology, timeout=comm_timeout(timeout))
+    # device tensors over a host-only communicator go through pinned host buffers
+    comm.enable_staging(acc)
     # user scripts and libraries expect torch.distributed to answer get_rank()/barrier()
     init_torch_distributed(launch, "gloo", comm.timeout)
     kernels = reg.kernel_set(acc.kernel_set)

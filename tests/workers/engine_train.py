@@ -65,12 +65,12 @@ def global_batch(seed: int, step: int, n: int):
 
 
 def loss_fn(logits, target):
-    return F.cross_entropy(logits.float().reshape(-1, VOCAB), target.reshape(-1))
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), target.to(logits.device).reshape(-1))
 
 
 def rel_diff(model, ref) -> float:
     """max |p - p_ref| / max |p_ref| over all parameters."""
-    num = max(float((a.detach().double() - b.detach().double()).abs().max())
+    num = max(float((a.detach().cpu().double() - b.detach().double()).abs().max())
               for a, b in zip(model.parameters(), ref.parameters()))
     den = max(float(b.detach().abs().max()) for b in ref.parameters())
     return num / den
@@ -127,7 +127,7 @@ def train_and_compare(stage, precision="fp32", gas=2, steps=10, clip=0.5, seed=1
            "skipped": engine.skipped_steps, "lr": engine.get_lr(),
            # frozen parameters are only cast to the compute dtype, never trained
            "frozen_unchanged": bool(torch.equal(
-               model.frozen.weight,
+               model.frozen.weight.cpu(),
                make_model(seed).frozen.weight.to(model.frozen.weight.dtype)))}
     engine.destroy()
     return out

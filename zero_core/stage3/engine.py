@@ -27,6 +27,7 @@ import torch
 from ..errors import ConfigError
 from ..engine import ZeroEngine
 from ..model_sync import broadcast_buffers, check_parameters_match
+from ..placement import move_module, move_parameter
 from . import partitioned_params as pp
 from .buffers import Stage3GroupBuffers
 from .coordinator import ParamCoordinator
@@ -45,18 +46,14 @@ class Stage3Engine(ZeroEngine):
 
     # ---- construction (hook points of ZeroEngine) ------------------------------------------
     def _prepare_model(self, model):
-        for m in model.modules():
-            for key, b in m._buffers.items():
-                if b is not None and b.device != self.device:
-                    m._buffers[key] = b.to(self.device)
+        move_module(model, self.device, parameters=False)
         broadcast_buffers(model, self.comm)
         plain = [p for p in model.parameters() if not pp.is_partitioned(p)]
         if plain and len(plain) == len(list(model.parameters())):
             # built without Init: verify as stages 0-2 do (Init verified its own)
             check_parameters_match(model, self.comm)
         for p in plain:
-            if p.data.device != self.device:
-                p.data = p.data.to(self.device)
+            move_parameter(p, self.device)
 
     def _build_buffers(self, model, groups):
         self._registration = {}

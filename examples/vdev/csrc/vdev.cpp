@@ -591,6 +591,48 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Ops with both a CPU kernel and a CompositeExplicitAutograd kernel (native_layer_norm,
+// for one) would run the composite decomposition on vdev, since a composite kernel wins
+// over a backend fallback: different rounding from the CPU. vdev computes with the CPU's
+// kernels, so those ops are routed to the fallback explicitly, and vdev's results are
+// bit-identical to the CPU's.
+
+bool registered_explicitly(const std::string& name) {
+  static const std::vector<std::string> own = {
+      "aten::empty", "aten::empty_strided", "aten::as_strided", "aten::resize_",
+      "aten::_reshape_alias", "aten::view", "aten::set_", "aten::_copy_from",
+      "aten::_copy_from_and_resize", "aten::_local_scalar_dense",
+      // copies must reach _copy_from through the composite copy_ / _to_copy
+      "aten::copy_", "aten::_to_copy", "aten::to"};
+  return std::find(own.begin(), own.end(), name) != own.end();
+}
+
+int64_t route_cpu_kernels_through_fallback() {
+  static torch::Library* lib = nullptr;
+  static int64_t routed = 0;
+  if (lib) return routed;
+  lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
+                           __FILE__, __LINE__);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0 || registered_explicitly(name.name)) continue;
+    auto handle = dispatcher.findOp(name);
+    if (!handle || handle->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+    if (!handle->hasKernelForDispatchKey(c10::DispatchKey::CPU)) continue;
+    if (!handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+        !handle->hasKernelForDispatchKey(
+            c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
+      continue;
+    const std::string qualified = name.overload_name.empty()
+                                      ? name.name.substr(6)
+                                      : name.name.substr(6) + "." + name.overload_name;
+    lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    ++routed;
+  }
+  return routed;
+}
+
+// ---------------------------------------------------------------------------------------
 // the runtime's own ops, for Python (zero_core_vdev/runtime.py)
 
 int64_t op_device_count() { return device_count(); }
@@ -660,6 +702,7 @@ TORCH_LIBRARY(vdev, m) {
   m.def("reset_peak(int index) -> ()", &vdev::op_reset_peak);
   m.def("reset_transfers(int index) -> ()", &vdev::op_reset_transfers);
   m.def("host_view(Tensor(a) t) -> Tensor(a)");
+  m.def("route_cpu_kernels() -> int", &vdev::route_cpu_kernels_through_fallback);
 }
 
 TORCH_LIBRARY_IMPL(vdev, PrivateUse1, m) {

@@ -49,6 +49,9 @@ def load() -> None:
                 f"cannot register vdev: this process's PrivateUse1 device is already "
                 f"'{current}' (PyTorch has one out-of-tree device slot per process)")
         torch.ops.load_library(_library_path())
+        # after every aten op is registered: send ops that have a CPU kernel to it rather
+        # than to their composite decomposition (see csrc/vdev.cpp)
+        torch.ops.vdev.route_cpu_kernels()
         if current != NAME:
             torch.utils.rename_privateuse1_backend(NAME)
         torch._register_device_module(NAME, _DeviceModule())
@@ -121,15 +124,19 @@ class _DeviceModule:
         """vdev runs each op to completion when it is issued: nothing is ever pending."""
 
     # ---- random numbers: vdev draws from the host generator (see csrc/vdev.cpp) ---------
+    # torch.manual_seed() / torch.seed() seed the host generator and then call these for
+    # every custom device: there is nothing more to seed (calling back would recurse).
     @staticmethod
     def manual_seed(seed: int) -> None:
-        torch.manual_seed(seed)
+        pass
 
     manual_seed_all = manual_seed
 
     @staticmethod
     def seed() -> None:
-        torch.seed()
+        pass
+
+    seed_all = seed
 
     @staticmethod
     def initial_seed() -> int:

@@ -1,0 +1,95 @@
+"""The ``vdev`` accelerator: zero-core's view of the vdev device.
+
+A synchronous device (each op finishes when it is issued), so streams and events are the
+interface's no-ops; memory figures come from vdev's own allocator; pinned host memory
+comes from vdev's pinned allocator (``tensor.pin_memory()``), which is what zero-core's
+communicators stage device tensors through.
+"""
+from __future__ import annotations
+
+import torch
+
+from zero_core.accelerator import Accelerator
+
+from .runtime import NAME
+
+
+class VdevAccelerator(Accelerator):
+    """One vdev device per rank (``local_rank % device_count``)."""
+
+    name = NAME
+    # below the CPU (0): installing the plugin never changes what auto-detection picks;
+    # a job asks for vdev with "accelerator": "vdev" or ZERO_CORE_ACCELERATOR=vdev
+    priority = -5
+    default_comm = "gloo"
+    kernel_set = NAME
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        try:
+            from . import runtime
+            runtime.load()
+        except Exception as exc:  # must not raise: report why instead
+            return False, f"the vdev runtime could not be loaded ({type(exc).__name__}: {exc})"
+        return True, ""
+
+    def __init__(self):
+        from . import runtime
+        runtime.load()
+        self._mod = torch.vdev  # registered by runtime.load()
+
+    def device_type(self) -> str:
+        return NAME
+
+    def device_count(self) -> int:
+        return self._mod.device_count()
+
+    def set_device(self, local_rank: int) -> None:
+        self._mod.set_device(local_rank % self.device_count())
+
+    def default_comm_for(self, launch) -> str:
+        # vdev has no transport of its own: the CPU's choice, with device tensors staged
+        from zero_core.backends.accelerators.cpu import default_cpu_comm
+        return default_cpu_comm(launch)
+
+    # ---- memory -------------------------------------------------------------------------
+    def memory_allocated(self) -> int:
+        return self._mod.memory_allocated()
+
+    def max_memory_allocated(self) -> int:
+        return self._mod.max_memory_allocated()
+
+    def reset_peak_memory_stats(self) -> None:
+        self._mod.reset_peak_memory_stats()
+
+    def memory_stats(self) -> dict:
+        stats = self._mod.memory_stats()
+        return {"allocated": stats["allocated"], "peak": stats["peak"],
+                "total": self.total_memory(), "h2d_bytes": stats["h2d_bytes"],
+                "d2h_bytes": stats["d2h_bytes"], "pinned_allocated": stats["pinned_allocated"]}
+
+    def total_memory(self) -> int:
+        limit = self._mod.memory_stats()["limit"]
+        if limit:
+            return limit
+        from zero_core.backends.accelerators.cpu import total_memory_bytes
+        return total_memory_bytes()
+
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of host *tensor* in vdev's pinned memory (the staging memory)."""
+        if tensor.device.type != "cpu":
+            raise ValueError(f"pin_memory takes a host tensor; this one is on {tensor.device}")
+        return tensor if tensor.is_pinned() else tensor.pin_memory()
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and tensor.is_pinned()
+
+    def manual_seed(self, seed: int) -> None:
+        """vdev draws from the host generator, which torch.manual_seed() seeds."""
+
+    def describe(self) -> dict:
+        facts = super().describe()
+        stats = self._mod.memory_stats()
+        facts.update(memory_limit=stats["limit"] or "none (VDEV_MEMORY_LIMIT unset)",
+                     compute="host CPU kernels on device memory (bit-identical to cpu)")
+        return facts
