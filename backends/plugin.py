@@ -20,10 +20,11 @@ def zero_core_accelerators():
 @hookimpl
 def zero_core_communicators():
     from .comm.mpi import MpiCommunicator
+    from .comm.oneccl import OneCclCommunicator
     from .comm.torch_dist import (CclCommunicator, GlooCommunicator, HcclCommunicator,
                                   NcclCommunicator, XcclCommunicator)
     return [GlooCommunicator, NcclCommunicator, HcclCommunicator, CclCommunicator,
-            XcclCommunicator, MpiCommunicator]
+            XcclCommunicator, MpiCommunicator, OneCclCommunicator]
 
 
 @hookimpl
