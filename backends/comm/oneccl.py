@@ -43,6 +43,9 @@ this module's worker thread; with oneCCL's own pinned worker thread a 1 MiB all-
 16-100 ms on 2 cores instead of 0.2-0.6 ms), ``CCL_PROCESS_LAUNCHER=none`` with
 ``CCL_LOCAL_RANK`` / ``CCL_LOCAL_SIZE`` from the launcher, ``CCL_LOG_LEVEL=error``, and on
 a single host ``CCL_KVS_IFACE=lo`` / ``FI_TCP_IFACE=lo`` (nothing leaves the machine).
+Known library fault: an ``FI_PROVIDER`` naming a provider libfabric does not have makes
+oneCCL 2022.2 abort the process ("free(): double free detected", SIGABRT) while it creates
+the communicator; nothing in this module can catch that.
 
 Collectives
 -----------
@@ -280,15 +283,16 @@ def _locate(env_key: tuple) -> dict:
             f"CCL_ATL_TRANSPORT=mpi needs an MPICH-ABI libmpi.so.12 (Intel MPI, MPICH) "
             + (f"but CCL_MPI_LIBRARY_PATH={mpi_lib} is not a file" if mpi_lib else
                "and none was found (Open MPI's libmpi.so.40 is not ABI-compatible)")
-            + f"; unset CCL_ATL_TRANSPORT to use the OFI transport (libfabric: "
-              f"{TRANSPORT_INSTALL})")}
+            + f"; unset CCL_ATL_TRANSPORT to use the OFI transport, which needs libfabric: "
+              f"{TRANSPORT_INSTALL}")}
     for var in ("CCL_OFI_LIBRARY_PATH", "I_MPI_OFI_LIBRARY"):
         path = os.environ.get(var)
         if path:
             if not os.path.isfile(path):
                 return {"ok": False, "why": (
                     f"{var}={path} does not name a file, so oneCCL's OFI transport has no "
-                    f"libfabric; point it at a libfabric.so.1 or unset it ({TRANSPORT_INSTALL})")}
+                    f"libfabric; point it at a libfabric.so.1, or unset it and install one: "
+                    f"{TRANSPORT_INSTALL}")}
             return {"ok": True, "why": "", "lib": lib, "plugin": plugin, "fabric": path}
     fabric = next((p for p in fabric_candidates() if os.path.isfile(p)), None)
     if fabric is None:
@@ -550,8 +554,8 @@ class OneCclCommunicator(Communicator):
         keys = ("CCL_ATL_TRANSPORT", "CCL_OFI_LIBRARY_PATH", "FI_PROVIDER", "CCL_ATL_SHM",
                 "CCL_PLUGIN")
         used = ", ".join(f"{k}={os.environ.get(k, '<unset>')}" for k in keys)
-        return (f"Settings: {used}. Transport: libfabric ({TRANSPORT_INSTALL}); "
-                f"CCL_LOG_LEVEL=info shows what oneCCL tried.")
+        return (f"Settings: {used}. The OFI transport needs libfabric.so.1: "
+                f"{TRANSPORT_INSTALL}. CCL_LOG_LEVEL=info shows what oneCCL tried.")
 
     def _share(self, message: bytes | None, root: int) -> bytes:
         """World-collective broadcast of *message* (_MESSAGE_BYTES) from global rank *root*."""
