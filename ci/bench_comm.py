@@ -1,11 +1,12 @@
-"""Communication micro-benchmark: zero-core gloo, zero-core mpi and raw torch.distributed
-gloo, side by side, on ZeRO's collectives.
+"""Communication micro-benchmark: zero-core gloo, zero-core mpi, zero-core oneccl and raw
+torch.distributed gloo, side by side, on ZeRO's collectives.
 
     python ci/bench_comm.py --launch 2            # re-launches itself: mpirun -np 2 ...
     mpirun -np 4 python ci/bench_comm.py --quick  # or under a launcher of your own
 
 Run under mpirun so that both MPI and gloo are usable in one job (gloo's rendezvous goes
-through MPI). For each collective and size it reports, like nccl-tests, the median time
+through MPI). The oneccl rows are measured when oneCCL is installed on every rank (see
+backends/comm/oneccl.py); otherwise the table says why they are missing. For each collective and size it reports, like nccl-tests, the median time
 of several iterations (after warm-up; the slowest rank's median), the algorithm
 bandwidth ``size / time`` and the bus bandwidth ``algbw x factor`` with factor
 (n-1)/n for all_gather, reduce_scatter and all_to_all and 2(n-1)/n for all_reduce, so
@@ -24,7 +25,7 @@ import sys
 import time
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-IMPLS = ("zero-core gloo", "zero-core mpi", "torch gloo (raw)")
+IMPLS = ("zero-core gloo", "zero-core mpi", "zero-core oneccl", "torch gloo (raw)")
 BUSBW_FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
                 "all_to_all": lambda n: (n - 1) / n, "all_reduce": lambda n: 2 * (n - 1) / n}
 
@@ -72,6 +73,7 @@ def run_rank(args) -> dict:
     import torch.distributed as dist
 
     from zero_core.backends.comm.mpi import MpiCommunicator
+    from zero_core.backends.comm.oneccl import OneCclCommunicator
     from zero_core.backends.comm.torch_dist import GlooCommunicator
     from zero_core.launch import discover
     from zero_core.topology import resolve_ranks_per_node
@@ -84,6 +86,12 @@ def run_rank(args) -> dict:
     mpi = MpiCommunicator(launch, topology, timeout=600)
     gloo = GlooCommunicator(launch, topology, timeout=600)  # initializes torch.distributed
     n, rank = launch.world_size, launch.rank
+    # oneccl only where every rank has it (its creation is collective)
+    ccl_ok, ccl_why = OneCclCommunicator.availability()
+    ccl_everywhere = mpi.world.handle.allreduce(int(ccl_ok), op=mpi._mpi.MIN)
+    ccl = OneCclCommunicator(launch, topology, timeout=600) if ccl_everywhere else None
+    skipped = {} if ccl else {"zero-core oneccl": ccl_why or "not available on every rank"}
+    names = [k for k in IMPLS if k not in skipped]
     dtype = getattr(torch, args.dtype)
     elem = torch.empty((), dtype=dtype).element_size()
 
@@ -106,6 +114,8 @@ def run_rank(args) -> dict:
     impls = {"zero-core gloo": (collectives(gloo), gloo.barrier),
              "zero-core mpi": (collectives(mpi), mpi.barrier),
              "torch gloo (raw)": (raw, dist.barrier)}
+    if ccl is not None:
+        impls["zero-core oneccl"] = (collectives(ccl), ccl.barrier)
 
     # sanity: every implementation computes the right thing before it is timed
     for name, (fns, _) in impls.items():
@@ -123,33 +133,35 @@ def run_rank(args) -> dict:
         iters = iterations_for(size, args)
         for op in OPS:
             row = {"op": op, "bytes": numel * elem, "iters": iters}
-            for name in IMPLS:
+            for name in names:
                 for _ in range(args.warmup):
                     impls[name][0][op](buffers)
             # implementations take turns in every iteration, so that the load of other
             # processes on a shared machine falls on all of them alike
-            times = {name: [] for name in IMPLS}
+            times = {name: [] for name in names}
             for _ in range(iters):
-                for name in IMPLS:
+                for name in names:
                     fns, barrier = impls[name]
                     barrier()
                     t0 = time.perf_counter()
                     fns[op](buffers)
                     times[name].append(time.perf_counter() - t0)
-            for name in IMPLS:
+            for name in names:
                 # the collective is as slow as its slowest rank
                 row[name] = mpi.world.handle.allreduce(statistics.median(times[name]),
                                                        op=mpi._mpi.MAX)
             results.append(row)
             if rank == 0 and args.progress:
                 print(f"  {human(row['bytes']):>9} {op:<15} " + "  ".join(
-                    f"{k}: {row[k] * 1e3:.3f} ms" for k in IMPLS), file=sys.stderr, flush=True)
+                    f"{k}: {row[k] * 1e3:.3f} ms" for k in names), file=sys.stderr, flush=True)
         del buffers
+    if ccl is not None:
+        ccl.shutdown()
     gloo.shutdown()
     mpi.shutdown()
     dist.destroy_process_group()
     return {"world_size": n, "dtype": args.dtype, "results": results,
-            "torch": torch.__version__}
+            "torch": torch.__version__, "impls": names, "skipped": skipped}
 
 
 # ---- reporting --------------------------------------------------------------------------
@@ -157,30 +169,34 @@ def run_rank(args) -> dict:
 def enrich(data: dict) -> dict:
     """Add algbw / busbw (GB/s, 1e9 bytes) to every measurement."""
     n = data["world_size"]
+    impls = data.get("impls", IMPLS)
     for row in data["results"]:
         row["measurements"] = {}
-        for name in IMPLS:
+        for name in impls:
             seconds = row.pop(name)
             algbw = row["bytes"] / seconds / 1e9
             row["measurements"][name] = {"time_ms": seconds * 1e3, "algbw_GBps": algbw,
                                          "busbw_GBps": algbw * BUSBW_FACTOR[row["op"]](n)}
-        row["fastest"] = min(IMPLS, key=lambda k: row["measurements"][k]["time_ms"])
+        row["fastest"] = min(impls, key=lambda k: row["measurements"][k]["time_ms"])
     return data
 
 
 def markdown(data: dict) -> str:
     n = data["world_size"]
+    impls = data.get("impls", IMPLS)
     lines = [f"Collectives on {n} ranks, {data['dtype']}, median of the slowest rank "
              f"(time in ms, algbw / busbw in GB/s):", ""]
+    for name, why in data.get("skipped", {}).items():
+        lines += [f"{name} not measured: {why}", ""]
     for op in OPS:
         lines.append(f"**{op}** (busbw factor {BUSBW_FACTOR[op](n):g})")
         lines.append("")
-        head = "| size | " + " | ".join(f"{k} ms | algbw | busbw" for k in IMPLS) + " | fastest |"
+        head = "| size | " + " | ".join(f"{k} ms | algbw | busbw" for k in impls) + " | fastest |"
         lines.append(head)
-        lines.append("|" + "---|" * (2 + 3 * len(IMPLS)))
+        lines.append("|" + "---|" * (2 + 3 * len(impls)))
         for row in (r for r in data["results"] if r["op"] == op):
             cells = []
-            for k in IMPLS:
+            for k in impls:
                 m = row["measurements"][k]
                 cells.append(f"{m['time_ms']:.3f} | {m['algbw_GBps']:.2f} | {m['busbw_GBps']:.2f}")
             lines.append(f"| {human(row['bytes'])} | " + " | ".join(cells)
@@ -193,17 +209,18 @@ def markdown(data: dict) -> str:
 def summary(data: dict) -> str:
     """Geometric-mean time ratio of each implementation to the fastest, per collective,
     over messages of 1 MiB and more (the bucket sizes ZeRO uses)."""
+    impls = data.get("impls", IMPLS)
     out = ["Geometric mean of time / best time over sizes >= 1 MiB (1.00 = always fastest):", ""]
-    out.append("| collective | " + " | ".join(IMPLS) + " |")
-    out.append("|" + "---|" * (1 + len(IMPLS)))
+    out.append("| collective | " + " | ".join(impls) + " |")
+    out.append("|" + "---|" * (1 + len(impls)))
     for op in OPS:
         rows = [r for r in data["results"] if r["op"] == op and r["bytes"] >= 1 << 20]
         if not rows:
             continue
         ratios = []
-        for k in IMPLS:
+        for k in impls:
             logs = [math.log(r["measurements"][k]["time_ms"] /
-                             min(r["measurements"][j]["time_ms"] for j in IMPLS)) for r in rows]
+                             min(r["measurements"][j]["time_ms"] for j in impls)) for r in rows]
             ratios.append(f"{math.exp(sum(logs) / len(logs)):.2f}")
         out.append(f"| {op} | " + " | ".join(ratios) + " |")
     return "\n".join(out)
