@@ -19,19 +19,28 @@ def _keeps_identity(tensor: torch.Tensor, device: torch.device) -> bool:
     return torch._has_compatible_shallow_copy_type(tensor, probe)
 
 
-def move_parameter(param: torch.Tensor, device: torch.device) -> None:
-    """Put *param*'s data on *device*, keeping the Python object (and its attributes)."""
-    if param.device == device:
+def set_data(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    """``param.data = tensor``, also where torch refuses it (another device type, see the
+    module docstring): then the contents are swapped in and *param* keeps its class and
+    attributes (``swap_tensors`` would exchange those too)."""
+    if param.device.type == tensor.device.type or _keeps_identity(param, tensor.device):
+        param.data = tensor
         return
-    moved = param.data.to(device)
-    if _keeps_identity(param, device):
-        param.data = moved
-        return
+    cls, attrs = type(param), dict(param.__dict__)
     if param.grad is not None:
         param.grad = None  # a gradient on the old device could not follow the swap
-    replacement = type(param)(moved, requires_grad=param.requires_grad) \
-        if isinstance(param, torch.nn.Parameter) else moved
+    replacement = (torch.nn.Parameter(tensor, requires_grad=param.requires_grad)
+                   if isinstance(param, torch.nn.Parameter) else tensor.detach())
     torch.utils.swap_tensors(param, replacement)
+    param.__class__ = cls
+    param.__dict__.clear()
+    param.__dict__.update(attrs)
+
+
+def move_parameter(param: torch.Tensor, device: torch.device) -> None:
+    """Put *param*'s data on *device*, keeping the Python object (and its attributes)."""
+    if param.device != device:
+        set_data(param, param.data.to(device))
 
 
 def move_module(module: torch.nn.Module, device: torch.device, parameters: bool = True) -> None:

@@ -102,7 +102,7 @@ def full_params(model) -> list[torch.Tensor]:
     """Every parameter's full values (gathered if partitioned), in float64."""
     params = list(model.parameters())
     with zero_core.GatheredParameters(params):
-        return [p.detach().double().clone() for p in params]
+        return [p.detach().cpu().double() for p in params]
 
 
 def rel_diff(a_list, b_list) -> float:

@@ -22,6 +22,9 @@ from .subgroups import SubGroup
 class HostStateStore:
     """Flat fp32 buffers of *names* for every group of *layouts* (None: no group)."""
 
+    #: its tensors are host memory by design (zero_core.device_audit)
+    TENSOR_HOME = "host"
+
     kind = "cpu"
 
     def __init__(self, layouts: list[GroupLayout | None], names: tuple[str, ...], rank: int,

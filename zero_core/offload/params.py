@@ -59,6 +59,10 @@ class _MappedParams(FlatBuffer):
 class ParamOffload:
     """Where stage 3's parameter partitions live when ``offload_param`` is on."""
 
+    #: the attributes that hold host memory (zero_core.device_audit); the others refer to
+    #: the device-side fetch units
+    HOST_ATTRS = ("partitions", "_cache", "_buffers", "_assembling")
+
     def __init__(self, cfg, compute_dtype: torch.dtype, device: torch.device, rank: int,
                  world_size: int, accelerator):
         self.cfg, self.dtype, self.device = cfg, compute_dtype, device
@@ -81,6 +85,7 @@ class ParamOffload:
         self._stepping = False
         self.coordinator = None
         self.units_by_index: dict = {}
+        self.partitions: list[torch.Tensor] = []          # host partition buffers (cpu)
         self.reads = self.read_ahead_hits = 0
         self._io = ThreadPoolExecutor(1, thread_name_prefix="zero-core-param-swap") if self.nvme else None
 
@@ -100,6 +105,7 @@ class ParamOffload:
             gb.param_buf = FlatBuffer(lay, "partition", self.dtype, torch.device("cpu"), self.rank)
             if self.cfg.pin_memory:
                 gb.param_buf.data = self.accelerator.pin_memory(gb.param_buf.data)
+            self.partitions.append(gb.param_buf.data)
             for k, u in enumerate(gb.units):
                 u.part = gb.param_buf.bucket(k)
             return

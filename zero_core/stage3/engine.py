@@ -27,7 +27,7 @@ import torch
 from ..errors import ConfigError
 from ..engine import ZeroEngine
 from ..model_sync import broadcast_buffers, check_parameters_match
-from ..placement import move_module, move_parameter
+from ..placement import move_module, move_parameter, set_data
 from . import partitioned_params as pp
 from .buffers import Stage3GroupBuffers
 from .coordinator import ParamCoordinator
@@ -89,7 +89,7 @@ class Stage3Engine(ZeroEngine):
                 meta.name, meta.unit, meta.offset, meta.dtype = name, u, off, dtype
                 meta.own_part = None
                 meta.available = True
-                p.data = torch.empty(0, dtype=dtype, device=self.device)
+                set_data(p, torch.empty(0, dtype=dtype, device=self.device))
                 meta.available = False
             return flat
 
@@ -141,7 +141,7 @@ class Stage3Engine(ZeroEngine):
     def _build_reducer(self):
         return Stage3GradReducer(
             self.units, self.comm, self.coordinator, self.config.zero_optimization.overlap_comm,
-            on_allocate=lambda t: self.memory_ledger.track("communication_buffers", t),
+            self.device, on_allocate=lambda t: self.memory_ledger.track("communication_buffers", t),
             reduce_unit=self.zeropp.reduce_unit if self.zeropp else None)
 
     # ---- training ----------------------------------------------------------------------------

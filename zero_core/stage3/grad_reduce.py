@@ -40,7 +40,8 @@ class Stage3GradReducer:
     mark_fresh, remove_hooks), over fetch units."""
 
     def __init__(self, units: list[FetchUnit], comm: Communicator, coordinator: ParamCoordinator,
-                 overlap: bool, on_allocate=None, max_inflight: int = 4, reduce_unit=None):
+                 overlap: bool, device: torch.device, on_allocate=None, max_inflight: int = 4,
+                 reduce_unit=None):
         self.units = [u for u in units if u.trainable]
         self.comm, self.coord, self.overlap = comm, coordinator, overlap
         self._reduce = reduce_unit or self._reduce_scatter
@@ -51,7 +52,8 @@ class Stage3GradReducer:
                 self._slot[id(p)] = (u, i)
         biggest = max((u.padded_numel for u in self.units), default=1)
         dtype = self.units[0].part.dtype if self.units else torch.float32
-        device = self.units[0].part.device if self.units else torch.device("cpu")
+        # where gradients are produced: the compute device, also when the partitions are
+        # offloaded to host memory (offload_param)
         self._grad_pool = BufferPool(biggest, dtype, device, on_allocate)
         self._out_pool = BufferPool(max(biggest // comm.world_size, 1), dtype, device, on_allocate)
         self._fresh = {u.index: True for u in self.units}

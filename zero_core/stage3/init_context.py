@@ -57,14 +57,15 @@ _SUBCLASS_HOOK_INSTALLED = [False]
 # Per-parameter partitions (before an engine owns the parameter).
 # ---------------------------------------------------------------------------------------------
 
-def partition_own(p: torch.nn.Parameter, name: str, rank: int, world_size: int) -> pp.ParamMeta:
-    """Keep only this rank's slice of *p*'s values (padded to world_size × alignment);
-    *p* becomes a released PartitionedParameter."""
+def partition_own(p: torch.nn.Parameter, name: str, rank: int, world_size: int,
+                  device: torch.device | None = None) -> pp.ParamMeta:
+    """Keep only this rank's slice of *p*'s values (padded to world_size × alignment), on
+    *device* (default: where *p* was built); *p* becomes a released PartitionedParameter."""
     values = p.data.detach().reshape(-1)
     meta = pp.mark_partitioned(p, name)
     padded = round_up(meta.numel, world_size * alignment_for(values.element_size()))
     shard = padded // world_size
-    part = torch.zeros(shard, dtype=values.dtype, device=values.device)
+    part = torch.zeros(shard, dtype=values.dtype, device=device or values.device)
     lo = rank * shard
     hi = min(lo + shard, meta.numel)
     if lo < hi:
@@ -210,6 +211,7 @@ class Init:
         self.enabled = bool(enabled) and stage == 3
         self.config = cfg
         self.comm = None
+        self.device = None
         self._checks: list[tuple] = []   # (parameter, name, checksums)
         self._outermost = None
         if module is not None and self.enabled:
@@ -227,7 +229,8 @@ class Init:
     def __enter__(self):
         if not self.enabled:
             return self
-        self.comm = self._runtime().comm
+        runtime = self._runtime()
+        self.comm, self.device = runtime.comm, runtime.device
         with _LOCK:
             if not _ACTIVE:
                 _install()
@@ -253,7 +256,8 @@ class Init:
             if pp.is_partitioned(p):
                 continue
             self._checks.append((p, f"{type(module).__name__}.{name}", _checksum(p.data)))
-            partition_own(p, name, comm.rank, comm.world_size)
+            # modules are built on the host one at a time; only partitions stay, on the device
+            partition_own(p, name, comm.rank, comm.world_size, self.device)
 
     def _verify(self) -> None:
         """Every rank must have built the same values (one all-reduce)."""

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ZeroCoreError
+from ..placement import set_data
 
 
 class ParameterNotGatheredError(ZeroCoreError):
@@ -192,7 +193,7 @@ def mark_partitioned(p: torch.nn.Parameter, name: str) -> ParamMeta:
 def attach(p, values: torch.Tensor) -> None:
     """Make *p* available with *values* (a view of a gathered buffer, full shape)."""
     meta = meta_of(p)
-    p.data = values.view(meta.shape)
+    set_data(p, values.view(meta.shape))
     meta.available = True
 
 
@@ -200,5 +201,5 @@ def release(p) -> None:
     """Drop *p*'s full values (its partition is kept elsewhere)."""
     meta = meta_of(p)
     if meta.available:
-        p.data = torch.empty(0, dtype=p.data.dtype, device=p.data.device)
+        set_data(p, torch.empty(0, dtype=p.data.dtype, device=p.data.device))
         meta.available = False
