@@ -1,0 +1,102 @@
+"""The GPU kit (ci/gpu_check.py) dry-run on the CPU: the kit's own code paths run, its
+report files are written, and every check that can run here passes.
+
+On the GPU machine the kit runs as ``bash ci/gpu_check.sh``; here ``--device cpu`` uses
+the cpu accelerator and gloo (Triton under its interpreter) and ``--quick`` shrinks the
+sizes, so the whole run stays well under a minute on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KIT = os.path.join(REPO, "ci", "gpu_check.py")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_kit")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "ZERO_CORE_ACCELERATOR", "ZERO_CORE_COMM", "TRITON_INTERPRET")}
+    proc = subprocess.run([sys.executable, KIT, "--device", "cpu", "--quick", "--out", str(out),
+                           "--budget", "170"],
+                          capture_output=True, text=True, timeout=200, env=env, cwd=str(out))
+    return proc, out
+
+
+def test_writes_one_json_and_one_markdown_file(dry_run):
+    proc, out = dry_run
+    assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.md"], \
+        (os.listdir(out), proc.stdout[-3000:], proc.stderr[-3000:])
+    report = json.loads((out / "gpu_check.json").read_text())
+    env = report["environment"]
+    for key in ("date", "torch", "triton", "python", "git_commit"):
+        assert key in env, key
+    assert report["device"] == "cpu" and report["quick"] is True
+    md = (out / "gpu_check.md").read_text()
+    assert md.startswith("# zero-core GPU kit")
+    for check in report["checks"]:
+        assert f"| {check['name']} | {check['status']} |" in md
+        assert set(check) >= {"name", "status", "seconds", "numbers", "detail"}
+
+
+def test_every_check_that_can_run_on_the_cpu_passes(dry_run):
+    proc, out = dry_run
+    report = json.loads((out / "gpu_check.json").read_text())
+    by_status = {}
+    for check in report["checks"]:
+        by_status.setdefault(check["status"], []).append(check["name"])
+    failed = {c["name"]: (c.get("failures"), c.get("traceback")) for c in report["checks"]
+              if c["status"] == "fail"}
+    assert not failed, f"{failed}\n{proc.stdout[-4000:]}"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # nothing ran out of time; hpZ at world size 1 is refused by the config, as it must be
+    assert by_status.get("skip", []) == []
+    assert by_status.get("refused") == ["engine/stage3-bf16-hpz2"]
+    names = set(by_status["pass"])
+    for group in ("conformance/", "kernels/", "engine/", "checkpoint/", "bench/"):
+        assert any(n.startswith(group) for n in names), group
+    checks = {c["name"]: c for c in report["checks"]}
+    # the Triton kernels ran (interpreted) and were compared with the reference
+    triton = checks["kernels/quant-triton-bitwise"]["numbers"]
+    assert triton["interpreted"] and triton["comparisons"] > 50
+    assert triton["mismatched_comparisons"] == 0
+    # the checkpoint saved by one engine was loaded by another process, bit for bit
+    ckpt = checks["checkpoint/stage3-bf16-to-cpu"]["numbers"]
+    assert ckpt["weights_compared"] > 0 and ckpt["weights_differing"] == 0
+    assert ckpt["fragments_compared"] > 0 and ckpt["fragments_differing"] == 0
+    # engine runs were compared with plain torch and looked at tensor placement
+    stage3 = checks["engine/stage3-fp32"]["numbers"]
+    assert stage3["loss_curve_max_rel_diff"] <= 1e-3
+    assert stage3["placement"]["tensors_on_device"] > 0
+
+
+def test_the_kit_refuses_cuda_without_a_gpu():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = subprocess.run([sys.executable, KIT, "--device", "cuda", "--out", "unused"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "no usable CUDA GPU" in proc.stderr
+
+
+def test_conformance_failures_are_read_from_the_suites_report():
+    sys.path.insert(0, os.path.dirname(KIT))
+    import gpu_check_cases
+    report = {"ok": False, "aborted": "", "counts": {"pass": 1, "FAIL": 1},
+              "results": {"all_reduce/sum/fp32": {"status": "FAIL", "detail": "off by 1"},
+                          "barrier": {"status": "pass", "detail": ""},
+                          "all_to_all/int8": {"status": "unsupported", "detail": ""}}}
+    numbers, failures = gpu_check_cases._conformance_numbers(report)
+    assert numbers["failed"] == ["all_reduce/sum/fp32"]
+    assert numbers["unsupported"] == ["all_to_all/int8"]
+    assert len(failures) == 1 and "off by 1" in failures[0]
