@@ -995,11 +995,12 @@ def fragments(engine) -> dict:
 
 
 def run_checkpoint_case(ctx: Ctx, case: EngineCase) -> dict:
-    """Train on the device, save a checkpoint, then in a separate process build the same
-    model with the *cpu* accelerator and gloo, load it, and compare bit for bit: the
+    """Train on the device, save a checkpoint, load it back into a fresh engine on the
+    device, then in a separate process build the same model with the *cpu* accelerator and
+    gloo and load it there; both loads are compared bit for bit with what was saved: the
     model's weights (compute dtype) and every checkpoint fragment (fp32 master weights and
-    Adam states). Both sides then train one more step on the same batch; the losses must
-    agree within 2e-2 relative (different hardware)."""
+    Adam states). The CPU side then evaluates the next batch; its loss must agree with the
+    device's within 2e-2 relative (different hardware)."""
     torch = _torch()
     rt = runtime(ctx)
     sz = sizes(ctx)
@@ -1022,6 +1023,29 @@ def run_checkpoint_case(ctx: Ctx, case: EngineCase) -> dict:
     finally:
         engine.destroy()
     torch.save(expected, os.path.join(work, "expected.pt"))
+    # the same checkpoint loaded back on the device by a fresh engine (other initial values)
+    reload_failures, reload_numbers = [], {}
+    try:
+        again, _, _ = _build(ctx, case, sz, os.path.join(work, "nvme_gpu2"), ctx.seed + 3)
+        try:
+            again.load_checkpoint(os.path.join(work, "ckpt"))
+            got_w, got_f = engine_weights(again), fragments(again)
+        finally:
+            again.destroy()
+        w_bad = [n for n, t in expected["weights"].items()
+                 if n not in got_w or not same_bits(got_w[n], t)[0]]
+        f_bad = [k for k, t in expected["fragments"].items()
+                 if k not in got_f or not same_bits(got_f[k], t)[0]]
+        reload_numbers = {"device_reload_weights_differing": len(w_bad),
+                          "device_reload_fragments_differing": len(f_bad)}
+        if w_bad or f_bad:
+            reload_failures.append(f"reloaded on {ctx.device}: {len(w_bad)} weight(s) and "
+                                   f"{len(f_bad)} fragment(s) differ: {(w_bad + f_bad)[:4]}")
+    except Exception as exc:  # noqa: BLE001 - recorded; the CPU side still runs
+        reload_failures.append(f"loading it back on {ctx.device} failed: "
+                               f"{type(exc).__name__}: {str(exc)[:400]}")
+        reload_numbers = {"device_reload_traceback": tail(traceback.format_exc(), 8)}
+    release_memory(ctx)
     spec = {"case": case.__dict__, "sizes": sz.__dict__, "seed": ctx.seed, "work": work,
             "quick": ctx.quick, "next_loss": next_loss, "batch_seed": ctx.seed + 1}
     with open(os.path.join(work, "spec.json"), "w") as fh:
@@ -1037,9 +1061,10 @@ def run_checkpoint_case(ctx: Ctx, case: EngineCase) -> dict:
     with open(result_path) as fh:
         loaded = json.load(fh)
     numbers = {"checkpoint": os.path.basename(str(ckpt_dir)), "save_seconds": round(save_s, 3),
-               **loaded.get("numbers", {})}
-    return {"numbers": numbers, "failures": loaded.get("failures", []),
-            "detail": loaded.get("detail", "")}
+               **reload_numbers, **loaded.get("numbers", {})}
+    return {"numbers": numbers, "failures": reload_failures + loaded.get("failures", []),
+            "detail": loaded.get("detail", "") + (
+                f"; reloaded on {ctx.device}: " + ("FAILED" if reload_failures else "bit-equal"))}
 
 
 def checkpoint_load_main(spec_path: str) -> int:
