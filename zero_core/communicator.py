@@ -10,10 +10,11 @@ Conventions:
 - every tensor is contiguous; input and output of one call share a dtype and device;
 - ``src`` of ``broadcast`` is a rank *within the group*;
 - group creation is collective: every rank of the world calls it with the same arguments;
-- a tensor on a device the backend cannot carry (``device_types``) is staged through
-  pinned host buffers when the runtime has enabled staging for that device
-  (:meth:`Communicator.enable_staging`, :mod:`zero_core.comm_staging`); the copies are
-  counted in the ledger as ``staged_bytes`` / ``staging_s``.
+- a tensor on a device the backend cannot carry (``device_types``) is staged — device
+  tensors through pinned host buffers, host tensors through device buffers — once the
+  runtime has enabled staging (:meth:`Communicator.enable_staging`,
+  :mod:`zero_core.comm_staging`); the copies are counted in the ledger as
+  ``staged_bytes`` / ``staging_s``.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from .comm_staging import HostStaging, StagedCall
+from .comm_staging import StagedCall, Staging
 from .errors import CommError, CommTimeoutError
 from .launch import LaunchInfo
 from .ledger import CommLedger, LedgerEntry, sent_bytes
@@ -154,14 +155,15 @@ class Communicator(ABC):
         self.ledger = CommLedger()
         self._groups: dict[str, Group] = {}
         self._group_counter = 0  # before _init_world: a backend may make groups there
-        self.staging: HostStaging | None = None
+        self.staging: Staging | None = None
         self.world: Group = self._init_world()
 
-    def enable_staging(self, accelerator) -> None:
-        """Carry tensors of *accelerator*'s device through pinned host buffers (for a
-        backend whose ``device_types`` lack that device). Called by the runtime."""
-        if accelerator.device_type() not in self.device_types:
-            self.staging = HostStaging(accelerator)
+    def enable_staging(self, accelerator, device) -> None:
+        """Carry the tensors this backend cannot reach — *accelerator*'s device tensors when
+        it carries host memory only, host tensors when it carries device memory only —
+        through stand-in buffers on the other side. Called by the runtime."""
+        staging = Staging(accelerator, device, self.device_types)
+        self.staging = staging if (staging.via_host or staging.via_device) else None
 
     # ---- backend hooks -------------------------------------------------------------
     @abstractmethod
@@ -250,7 +252,7 @@ class Communicator(ABC):
                             f"* {group.size} = {input.numel() * group.size}")
         staged = self._stage(input, output)
         if staged:
-            input, output = staged.host(input), staged.host(output, read=False, written=True)
+            input, output = staged.stand_in(input), staged.stand_in(output, read=False, written=True)
         return self._run("all_gather_into", group, input, async_op,
                          lambda: self._all_gather_into(output, input, group), staged=staged)
 
@@ -266,7 +268,7 @@ class Communicator(ABC):
                             f"{output.numel()} * {group.size} = {output.numel() * group.size}")
         staged = self._stage(input, output)
         if staged:
-            input, output = staged.host(input), staged.host(output, read=False, written=True)
+            input, output = staged.stand_in(input), staged.stand_in(output, read=False, written=True)
         return self._run("reduce_scatter", group, input, async_op,
                          lambda: self._reduce_scatter(output, input, op, group), staged=staged)
 
@@ -278,7 +280,7 @@ class Communicator(ABC):
         self._check_op("all_reduce", op)
         staged = self._stage(tensor)
         if staged:
-            tensor = staged.host(tensor, written=True)
+            tensor = staged.stand_in(tensor, written=True)
         return self._run("all_reduce", group, tensor, async_op,
                          lambda: self._all_reduce(tensor, op, group), staged=staged)
 
@@ -293,7 +295,7 @@ class Communicator(ABC):
                             f"divisible by the group size {group.size}")
         staged = self._stage(input, output)
         if staged:
-            input, output = staged.host(input), staged.host(output, read=False, written=True)
+            input, output = staged.stand_in(input), staged.stand_in(output, read=False, written=True)
         return self._run("all_to_all_single", group, input, async_op,
                          lambda: self._all_to_all_single(output, input, group), staged=staged)
 
@@ -308,7 +310,7 @@ class Communicator(ABC):
         is_source = group.rank == src
         staged = self._stage(tensor)
         if staged:  # only the source's bytes go out, only the others' come back
-            tensor = staged.host(tensor, read=is_source, written=not is_source)
+            tensor = staged.stand_in(tensor, read=is_source, written=not is_source)
         return self._run("broadcast", group, tensor, async_op,
                          lambda: self._broadcast(tensor, src, group), is_source=is_source,
                          staged=staged)
@@ -320,7 +322,7 @@ class Communicator(ABC):
 
     # ---- helpers ---------------------------------------------------------------------
     def _stage(self, *tensors) -> StagedCall | None:
-        """A StagedCall when the tensors are on the staged device, else None."""
+        """A StagedCall when the tensors are where the backend cannot reach, else None."""
         if self.staging is not None and self.staging.handles(tensors[0]):
             return StagedCall(self.staging)
         return None

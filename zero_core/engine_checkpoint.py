@@ -182,7 +182,9 @@ def zero_restored(engine) -> None:
                 gb.param_buf.data.copy_(gb.master.data)
             continue
         for k in range(gb.num_buckets):
-            send = gb.master_bucket(k).to(gb.param_buf.dtype, copy=True)
+            # the master may be in host memory (offload_optimizer): send from the device
+            send = gb.master_bucket(k).to(gb.param_buf.data.device, gb.param_buf.dtype,
+                                          copy=True)
             engine.comm.all_gather_into(gb.param_buf.bucket(k), send)
     engine.zero_grad()
 

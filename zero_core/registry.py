@@ -17,6 +17,14 @@ from . import hookspecs
 from .errors import BackendUnavailable, PluginError
 
 
+#: backends that live in plugins shipped beside zero-core, and how to install each: an
+#: "unknown accelerator" error for one of these names says so
+KNOWN_PLUGINS = {
+    "vdev": "zero-core-vdev, in examples/vdev of the zero-core repository "
+            "(pip install --no-build-isolation ./examples/vdev; needs a C++ compiler)",
+}
+
+
 @dataclass
 class Contribution:
     """One class or kernel set and where it came from."""
@@ -71,8 +79,10 @@ class Registry:
     # ---- messages --------------------------------------------------------------------
     def _require(self, kind, table, name, source):
         if name not in table:
+            hint = KNOWN_PLUGINS.get(name)
+            hint = f" It comes from a plugin that is not installed: {hint}." if hint else ""
             raise PluginError(
-                f"unknown {kind} {name!r} (from {source}). Registered {kind}s:\n"
+                f"unknown {kind} {name!r} (from {source}).{hint} Registered {kind}s:\n"
                 + self._why_not(table) + self._broken_note())
         cls = table[name].obj
         ok, why = cls.availability()

@@ -107,8 +107,9 @@ def init_distributed(accelerator: str | None = None, comm_backend: str | None = 
     acc.set_device(launch.local_rank)
     device = acc.device(launch.local_rank)
     comm = comm_cls(launch, topology, timeout=comm_timeout(timeout))
-    # device tensors over a host-only communicator go through pinned host buffers
-    comm.enable_staging(acc)
+    # tensors the communicator cannot reach (device tensors over gloo/MPI, host tensors over
+    # nccl) go through stand-in buffers on the other side
+    comm.enable_staging(acc, device)
     # user scripts and libraries expect torch.distributed to answer get_rank()/barrier()
     init_torch_distributed(launch, "gloo", comm.timeout)
     kernels = reg.kernel_set(acc.kernel_set)

@@ -469,8 +469,9 @@ class OneCclCommunicator(Communicator):
         try:
             lib = ctypes.CDLL(path)
         except OSError as exc:
-            raise BackendUnavailable(f"communicator 'oneccl': {path} cannot be loaded ({exc}); "
-                                     f"reinstall oneCCL's CPU runtime: `{LIBRARY_INSTALL}`") from exc
+            raise BackendUnavailable(
+                f"communicator 'oneccl': {path} cannot be loaded ({exc}); reinstall oneCCL's "
+                f"CPU runtime: `{LIBRARY_INSTALL}`") from exc
         try:
             _declare(lib)
         except AttributeError as exc:

@@ -95,6 +95,24 @@ def _handle(op: str, group: Group, timeout: float, works: Sequence[Any],
                   test_fn=lambda: all(w.is_completed() for w in works))
 
 
+def default_group_backend(backend: str, device_types: tuple[str, ...]) -> str:
+    """The backend string that starts torch.distributed's default group for *backend*. A
+    device-only backend (nccl, hccl, xccl) gets gloo beside it for host tensors
+    ("cpu:gloo,cuda:nccl"), so that user code and zero-core's own host-side control plane
+    (the conformance suite's agreement, checkpoint metadata through torch.distributed)
+    keep working on the CPU."""
+    if "cpu" in device_types:
+        return backend
+    return ",".join(["cpu:gloo"] + [f"{d}:{backend}" for d in device_types])
+
+
+def uses_backend(group_backend: str, backend: str) -> bool:
+    """Whether a default group started as *group_backend* carries *backend*'s traffic
+    ("nccl" and "cpu:gloo,cuda:nccl" both carry nccl's)."""
+    parts = [p.split(":")[-1] for p in group_backend.lower().split(",")]
+    return backend in parts
+
+
 class TorchDistCommunicator(Communicator):
     """torch.distributed with the backend named by :attr:`backend`."""
 
@@ -148,6 +166,10 @@ class TorchDistCommunicator(Communicator):
         """The device to bind the process group to at init (None: let the backend pick)."""
         return None
 
+    def _group_backend(self) -> str:
+        """The backend string of the default group, when we start torch.distributed."""
+        return default_group_backend(self.backend, self.device_types)
+
     # ---- setup -------------------------------------------------------------------------
     def __init__(self, launch, topology, timeout: float = 300.0):
         ok, why = self.availability()
@@ -163,7 +185,8 @@ class TorchDistCommunicator(Communicator):
         if not dist.is_initialized():
             # we start torch.distributed, so we also make sure it is torn down before exit
             atexit.register(destroy_torch_distributed_at_exit)
-        init_torch_distributed(self.launch, self.backend, self.timeout, device=self._device())
+        init_torch_distributed(self.launch, self._group_backend(), self.timeout,
+                               device=self._device())
         if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
             raise CommError(
                 f"torch.distributed was initialized elsewhere as rank {dist.get_rank()} of "
@@ -171,7 +194,7 @@ class TorchDistCommunicator(Communicator):
                 f"{self.world_size}; initialize torch.distributed with the launcher's "
                 f"RANK/WORLD_SIZE or let zero-core do it")
         handle = None  # None: the default process group
-        if str(dist.get_backend()).lower() != self.backend:
+        if not uses_backend(str(dist.get_backend()), self.backend):
             # torch.distributed was set up by someone else with another backend: carry our
             # traffic on a world group of our own backend (collective, all ranks are here)
             handle = dist.new_group(ranks=list(range(self.world_size)), backend=self.backend,

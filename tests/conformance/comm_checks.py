@@ -45,8 +45,11 @@ class CommChecks:
     *sync()* are the suite's control plane (torch.distributed, independent of *comm*)."""
 
     def __init__(self, comm, seed: int, recorder: Recorder, agree, sync,
-                 ranks_per_node: int | None = None):
+                 ranks_per_node: int | None = None, device: torch.device | None = None):
         self.comm, self.seed, self.rec = comm, seed, recorder
+        # the collectives run on the job's device (a communicator without transport for it
+        # stages through host buffers); results are compared on the host
+        self.device = torch.device(device or "cpu")
         self.agree, self.sync = agree, sync
         self.n, self.rank = comm.world_size, comm.rank
         self.rpn = self._expected_ranks_per_node(ranks_per_node)
@@ -65,6 +68,9 @@ class CommChecks:
         return len({r // self.rpn for r in ranks}) > 1
 
     # ---- helpers ---------------------------------------------------------------------
+    def dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device)
+
     def inputs(self, tag, group, numel, dtype):
         """Every group member's input for *tag*, in group order."""
         return [rank_input(self.seed, tag, r, numel, dtype, group.size) for r in group.ranks]
@@ -193,10 +199,10 @@ class CommChecks:
         dtype = DTYPES[dname]
         for numel in SIZES:
             ins = self.inputs(f"all_gather/{dname}/{numel}", g, numel, dtype)
-            out, mine = poison(numel * g.size, dtype), ins[g.rank].clone()
+            out, mine = self.dev(poison(numel * g.size, dtype)), self.dev(ins[g.rank])
             self.measured(check, "all_gather_into", g, mine,
                           lambda: self.comm.all_gather_into(out, mine, group=g))
-            err = compare_exact(out, torch.cat(ins))
+            err = compare_exact(out.cpu(), torch.cat(ins))
             check.expect(err is None, f"{numel} per rank: {err}")
 
     def reduce_scatter(self, check, dname, op, group=None):
@@ -205,12 +211,12 @@ class CommChecks:
         dtype = DTYPES[dname]
         for numel in SIZES:
             ins = self.inputs(f"reduce_scatter/{dname}/{op}/{numel}", g, numel * g.size, dtype)
-            out, mine = poison(numel, dtype), ins[g.rank].clone()
+            out, mine = self.dev(poison(numel, dtype)), self.dev(ins[g.rank])
             self.integer_average(check, "reduce_scatter", op, dtype, g, lambda: self.measured(
                 check, "reduce_scatter", g, mine,
                 lambda: self.comm.reduce_scatter(out, mine, op, group=g)))
             lo, hi = g.rank * numel, (g.rank + 1) * numel
-            err = compare_reduction(out, [t[lo:hi] for t in ins], op)
+            err = compare_reduction(out.cpu(), [t[lo:hi] for t in ins], op)
             check.expect(err is None, f"{numel} per chunk: {err}")
 
     def all_reduce(self, check, dname, op, group=None):
@@ -219,10 +225,10 @@ class CommChecks:
         dtype = DTYPES[dname]
         for numel in SIZES:
             ins = self.inputs(f"all_reduce/{dname}/{op}/{numel}", g, numel, dtype)
-            t = ins[g.rank].clone()
+            t = self.dev(ins[g.rank].clone())
             self.integer_average(check, "all_reduce", op, dtype, g, lambda: self.measured(
                 check, "all_reduce", g, t, lambda: self.comm.all_reduce(t, op, group=g)))
-            err = compare_reduction(t, ins, op)
+            err = compare_reduction(t.cpu(), ins, op)
             check.expect(err is None, f"{numel} elements: {err}")
 
     def all_to_all(self, check, dname, group=None):
@@ -231,11 +237,11 @@ class CommChecks:
         dtype = DTYPES[dname]
         for numel in SIZES:
             ins = self.inputs(f"all_to_all/{dname}/{numel}", g, numel * g.size, dtype)
-            out, mine = poison(numel * g.size, dtype), ins[g.rank].clone()
+            out, mine = self.dev(poison(numel * g.size, dtype)), self.dev(ins[g.rank])
             self.measured(check, "all_to_all_single", g, mine,
                           lambda: self.comm.all_to_all_single(out, mine, group=g))
             lo, hi = g.rank * numel, (g.rank + 1) * numel
-            err = compare_exact(out, torch.cat([t[lo:hi] for t in ins]))
+            err = compare_exact(out.cpu(), torch.cat([t[lo:hi] for t in ins]))
             check.expect(err is None, f"{numel} per chunk: {err}")
 
     def broadcast(self, check, dname, group=None):
@@ -245,10 +251,10 @@ class CommChecks:
         for src in range(g.size):
             for numel in SIZES:
                 ins = self.inputs(f"broadcast/{dname}/{src}/{numel}", g, numel, dtype)
-                t = ins[g.rank].clone()
+                t = self.dev(ins[g.rank].clone())
                 self.measured(check, "broadcast", g, t,
                               lambda: self.comm.broadcast(t, src, group=g), is_source=g.rank == src)
-                err = compare_exact(t, ins[src])
+                err = compare_exact(t.cpu(), ins[src])
                 check.expect(err is None, f"src {src}, {numel} elements: {err}")
 
     def barrier(self, check, group=None):

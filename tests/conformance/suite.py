@@ -124,7 +124,7 @@ def run_conformance(comm: str | None = None, accelerator: str | None = None, *,
     aborted = ""
     try:
         if check_comm:
-            CommChecks(rt.comm, run_seed, rec, agree, sync, ranks_per_node).run_all()
+            CommChecks(rt.comm, run_seed, rec, agree, sync, ranks_per_node, rt.device).run_all()
         if check_accelerators:
             for name, contrib in sorted(reg.accelerators.items()):
                 ok, why = contrib.obj.availability()

@@ -18,6 +18,7 @@ batches and reports, per scenario:
 The ``ckpt`` scenario saves a checkpoint under ``<dir>/<accelerator>`` after 2 steps and
 continues one step; then a fresh engine loads ``<dir>/<load_from>`` (LOAD_FROM env var,
 default: its own) and takes the same step: with identical state the result is identical.
+``ckpt_off`` does the same with the optimizer state offloaded to host memory.
 """
 from __future__ import annotations
 
@@ -172,10 +173,14 @@ def run_scenario(name: str, scratch: str) -> dict:
     return out
 
 
-def run_checkpoint(scratch: str) -> dict:
-    """Save after 2 steps on this accelerator; resume from LOAD_FROM's checkpoint."""
+def run_checkpoint(scratch: str, offloaded: bool = False) -> dict:
+    """Save after 2 steps on this accelerator; resume from LOAD_FROM's checkpoint (with
+    *offloaded*, the optimizer state in host memory: ``ckpt_off``)."""
     acc = zero_core.get_runtime().accelerator.name
     cfg, opts = config(2), {"init": False, "ckpt": False}
+    if offloaded:
+        cfg = config(2, offload_optimizer=offload("cpu", scratch))
+        acc += "_off"
     engine, model = build(cfg, opts)
     for s in range(2):
         train_step(engine, model, s)
@@ -185,7 +190,7 @@ def run_checkpoint(scratch: str) -> dict:
     continued = fingerprint(model)
     engine.destroy()
 
-    load_from = os.environ.get("LOAD_FROM", acc)
+    load_from = os.environ.get("LOAD_FROM", acc.split("_")[0]) + ("_off" if offloaded else "")
     engine, model = build(cfg, opts)
     engine.load_checkpoint(os.path.join(scratch, load_from))
     loaded = fingerprint(model)
@@ -202,7 +207,10 @@ def main():
     zero_core.init_distributed()
     out = {}
     for name in names:
-        out[name] = run_checkpoint(scratch) if name == "ckpt" else run_scenario(name, scratch)
+        if name.startswith("ckpt"):
+            out[name] = run_checkpoint(scratch, offloaded=name == "ckpt_off")
+        else:
+            out[name] = run_scenario(name, scratch)
     report(out)
     shutdown()
 

@@ -1,8 +1,9 @@
-"""zero-core-vdev: an out-of-tree PyTorch device, ``vdev``, and its zero-core plugin.
+"""zero-core-vdev: ``vdev``, an out-of-tree PyTorch device (PrivateUse1) with memory of its own.
 
-``import zero_core_vdev`` registers the device (``torch.device("vdev", i)``); the plugin
-(``zero_core_vdev.plugin``, found through the ``zero_core`` entry point) contributes the
-``vdev`` accelerator and kernel set to zero-core. See README.md beside this package.
+``import zero_core_vdev`` registers the device (``torch.device("vdev", i)``, ``torch.vdev``),
+as ``import torch_npu`` does for Ascend. zero-core's plugin for it is the separate package
+``zero_core_vdev_plugin`` (found through the ``zero_core`` entry point), which imports this
+one only when a job selects vdev. See README.md beside the sources.
 """
 from .runtime import NAME, VdevNotBuiltError, load
 

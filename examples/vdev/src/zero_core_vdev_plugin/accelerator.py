@@ -11,7 +11,8 @@ import torch
 
 from zero_core.accelerator import Accelerator
 
-from .runtime import NAME
+from . import device
+from .device import NAME
 
 
 class VdevAccelerator(Accelerator):
@@ -26,17 +27,11 @@ class VdevAccelerator(Accelerator):
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
-        try:
-            from . import runtime
-            runtime.load()
-        except Exception as exc:  # must not raise: report why instead
-            return False, f"the vdev runtime could not be loaded ({type(exc).__name__}: {exc})"
-        return True, ""
+        why = device.why_not_loadable()  # cheap: loads nothing
+        return (True, "") if why is None else (False, f"the vdev runtime cannot load: {why}")
 
     def __init__(self):
-        from . import runtime
-        runtime.load()
-        self._mod = torch.vdev  # registered by runtime.load()
+        self._mod = device.load()
 
     def device_type(self) -> str:
         return NAME

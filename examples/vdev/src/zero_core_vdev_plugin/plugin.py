@@ -13,6 +13,12 @@ def zero_core_accelerators():
 
 
 @hookimpl
+def zero_core_communicators():
+    from .communicator import VdevGlooCommunicator
+    return [VdevGlooCommunicator]
+
+
+@hookimpl
 def zero_core_kernel_sets():
     from .kernels import kernel_set
     return [kernel_set()]

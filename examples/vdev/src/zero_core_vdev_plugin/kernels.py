@@ -12,7 +12,7 @@ import torch
 
 from zero_core.kernels import KernelSet
 
-from .runtime import NAME
+from .device import NAME
 
 CPU_OPTIM = "zero_core.accel_kernels.optim_cpu"
 CPU_QUANT = "zero_core.accel_kernels.quant_cpu"
