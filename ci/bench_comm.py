@@ -6,13 +6,14 @@ torch.distributed gloo, side by side, on ZeRO's collectives.
 
 Run under mpirun so that both MPI and gloo are usable in one job (gloo's rendezvous goes
 through MPI). The oneccl rows are measured when oneCCL is installed on every rank (see
-backends/comm/oneccl.py); otherwise the table says why they are missing. For each collective and size it reports, like nccl-tests, the median time
-of several iterations (after warm-up; the slowest rank's median), the algorithm
-bandwidth ``size / time`` and the bus bandwidth ``algbw x factor`` with factor
-(n-1)/n for all_gather, reduce_scatter and all_to_all and 2(n-1)/n for all_reduce, so
-that bus bandwidths of different collectives compare with the link's speed. "size" is
-the full buffer: all_gather's output, reduce_scatter's input, all_reduce's and
-all_to_all's buffer. The table goes to stdout as markdown, the numbers to --json.
+backends/comm/oneccl.py); otherwise the table says why they are missing. For each
+collective and size it reports, like nccl-tests, the median time of several iterations
+(after warm-up; the slowest rank's median), the algorithm bandwidth ``size / time`` and
+the bus bandwidth ``algbw x factor`` with factor (n-1)/n for all_gather, reduce_scatter
+and all_to_all and 2(n-1)/n for all_reduce, so that bus bandwidths of different
+collectives compare with the link's speed. "size" is the full buffer: all_gather's output,
+reduce_scatter's input, all_reduce's and all_to_all's buffer. The table goes to stdout as
+markdown, the numbers to --json.
 """
 from __future__ import annotations
 

@@ -251,7 +251,8 @@ def _assert_job(results, world, rpn):
         suite = rep["suite"]
         failing = {n: r["detail"] for n, r in suite["results"].items() if r["status"] == "FAIL"}
         assert suite["ok"] and not failing and not suite["aborted"], failing
-        assert (suite["comm"], suite["world_size"], suite["ranks_per_node"]) == ("oneccl", world, rpn)
+        assert (suite["comm"], suite["world_size"], suite["ranks_per_node"]) == \
+            ("oneccl", world, rpn)
         # the full list ran, fp32 all passed; only integer averages may be declined
         statuses = {n: r["status"] for n, r in suite["results"].items()}
         assert len(statuses) == 5 * 11 + 1 + 8 + 2 + 4 + 5 + 1

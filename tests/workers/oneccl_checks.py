@@ -9,9 +9,10 @@ groups, ledger), the same communicator runs: large random buffers whose size is 
 multiple of the world size (fp32 with every op, bf16 sums within the rounding bound), the
 dtypes the suite does not cover (int32, int64, fp64), in-place and aliased buffers
 (all-gather into its own output, reduce-scatter into its own input, all-to-all with input
-and output the same tensor), empty tensors, and an average on the inter-node group (group ranks are not global ranks). Every
-rank can regenerate every rank's input from (SEED, case, rank), so references are exact
-float64 (or int64) results of the inputs, independent of the communicator.
+and output the same tensor), empty tensors, and an average on the inter-node group (whose
+group ranks are not the global ranks). Every rank can regenerate every rank's input from
+(SEED, case, rank), so references are exact float64 (or int64) results of the inputs,
+independent of the communicator.
 
 With ``faults``, two more steps follow the report of the above:
 
