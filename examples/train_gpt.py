@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the optimizer states live (ZeRO-Offload / ZeRO-Infinity)")
     p.add_argument("--nvme-path", default=None,
                    help="directory for --offload nvme (default: a temporary directory)")
+    p.add_argument("--accelerator", default=None,
+                   help="cpu, cuda, hpu, xpu, vdev (examples/vdev) or a plugin's (default: "
+                        "ZERO_CORE_ACCELERATOR, else auto-detection)")
     p.add_argument("--comm", choices=("gloo", "mpi"), default=None,
                    help="communication backend (default: the CPU accelerator's: mpi under mpirun, else gloo)")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")
@@ -87,6 +90,8 @@ def build_config(args: argparse.Namespace) -> dict:
         cfg["fp16"] = {"enabled": True}
     if args.comm:
         cfg["comm_backend"] = args.comm
+    if args.accelerator:
+        cfg["accelerator"] = args.accelerator
     if args.zeropp:
         if args.stage != 3:
             raise SystemExit("--zeropp needs --stage 3 (ZeRO++ extends stage 3)")
@@ -136,7 +141,8 @@ def validation_loss(model: torch.nn.Module, val_x: torch.Tensor, val_y: torch.Te
     was_training = model.training
     model.eval()
     mine = slice(rank, None, world)  # strided split: every rank gets a share when n >= world
-    x, y = val_x[mine], val_y[mine]
+    device = next(model.parameters()).device
+    x, y = val_x[mine].to(device), val_y[mine].to(device)
     # a weighted mean, so unequal shares still give the loss over the whole set
     local = lm_loss(model(x), y).item() * x.shape[0] if x.shape[0] else 0.0
     model.train(was_training)
@@ -215,7 +221,11 @@ def format_memory_table(reports: list, stage: int, precision: str, world: int) -
                  mib(formula.get("model_states"))])
     rows.append(["communication buffers",
                  *(mib(r["ledger"].get("communication_buffers")) for r in reports), "–"])
-    rows.append(["process resident memory (peak)",
+    # the accelerator's peak: the process's resident memory on the CPU, the device
+    # allocator's peak elsewhere
+    device = reports[0].get("device", "cpu")
+    rows.append(["process resident memory (peak)" if device == "cpu"
+                 else f"{device.split(':')[0]} memory allocated (peak)",
                  *(mib((r.get("accelerator") or {}).get("peak")) for r in reports), "–"])
     kind = "fp32" if precision == "fp32" else "mixed"
     title = (f"ZeRO stage {stage}, {precision}: model states per rank = "
@@ -233,6 +243,9 @@ def format_comm_table(reports: list, stage: int, precision: str, world: int) -> 
     rows = [[op, *(f"{r['ops'].get(op, {}).get('sent_bytes', 0) / MIB:,.2f}" for r in reports),
              reports[0]["ops"].get(op, {}).get("calls", 0)] for op in ops]
     rows.append(["= total", *(f"{r.get('sent_bytes', 0) / MIB:,.2f}" for r in reports), ""])
+    if any(r.get("staged_bytes") for r in reports):
+        rows.append(["staged host<->device (copies)",
+                     *(f"{r.get('staged_bytes', 0) / MIB:,.2f}" for r in reports), ""])
     try:
         from zero_core.memory import comm_bytes_per_step
         psi = reports[0].get("num_parameters")
@@ -296,7 +309,7 @@ def main(argv=None) -> dict:
         step_loss = 0.0
         for micro in range(args.grad_accum):
             x, y = sampler.rank_batch(step, rank, micro)
-            loss = lm_loss(engine(x), y)
+            loss = lm_loss(engine(x), y.to(engine.device))
             engine.backward(loss)
             engine.step()  # DeepSpeed semantics: steps the optimizer at the accumulation boundary
             step_loss += loss.item() / args.grad_accum

@@ -299,6 +299,7 @@ class ZeroEngine(torch.nn.Module):
         return {"ledger": self.memory_ledger.report(), "formula": formula,
                 **({"offload": offload()} if offload is not None else {}),
                 "num_parameters": self.num_parameters, "padding_elements": self.padding_elements,
+                "device": str(self.device),
                 "accelerator": {"allocated": acc.memory_allocated(),
                                 "peak": acc.max_memory_allocated()}}
 
