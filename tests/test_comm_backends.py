@@ -187,3 +187,16 @@ def test_bench_comm_runs_and_reports_nccl_tests_bandwidths(tmp_path):
             assert m["time_ms"] > 0
             assert m["algbw_GBps"] == pytest.approx(row["bytes"] / (m["time_ms"] / 1e3) / 1e9)
             assert m["busbw_GBps"] == pytest.approx(m["algbw_GBps"] * factor)
+
+
+def test_a_device_only_backend_starts_torch_distributed_with_gloo_beside_it():
+    """nccl/hccl/xccl carry device tensors only: the default group they start must also
+    have a host backend, or host-side torch.distributed calls (user code, the conformance
+    suite's control plane) fail with "no backend type associated with device type cpu"."""
+    from zero_core.backends.comm.torch_dist import default_group_backend, uses_backend
+    assert default_group_backend("gloo", ("cpu",)) == "gloo"
+    assert default_group_backend("ccl", ("xpu", "cpu")) == "ccl"
+    assert default_group_backend("nccl", ("cuda",)) == "cpu:gloo,cuda:nccl"
+    assert default_group_backend("hccl", ("hpu",)) == "cpu:gloo,hpu:hccl"
+    assert uses_backend("cpu:gloo,cuda:nccl", "nccl") and uses_backend("nccl", "nccl")
+    assert uses_backend("gloo", "gloo") and not uses_backend("gloo", "nccl")

@@ -67,9 +67,11 @@ def test_snapshot_totals_and_split_by_link():
     ledger.record(entry("barrier", 0, True, payload=0))
     snap = ledger.snapshot()
     assert snap["ops"]["all_reduce"] == dict(calls=2, payload_bytes=84, sent_bytes=130,
-                                             inter_node_bytes=100, intra_node_bytes=30)
+                                             inter_node_bytes=100, intra_node_bytes=30,
+                                             staged_bytes=0, staging_s=0.0)
     assert snap["ops"]["broadcast"] == dict(calls=1, payload_bytes=7, sent_bytes=7,
-                                            inter_node_bytes=0, intra_node_bytes=7)
+                                            inter_node_bytes=0, intra_node_bytes=7,
+                                            staged_bytes=0, staging_s=0.0)
     assert snap["ops"]["barrier"]["calls"] == 1
     assert (snap["sent_bytes"], snap["inter_node_bytes"], snap["intra_node_bytes"]) == (137, 100, 37)
 
@@ -85,7 +87,8 @@ def test_difference_between_snapshots():
     diff = CommLedger.difference(after, before)
     assert set(diff["ops"]) == {"all_reduce", "all_gather_into"}  # broadcast did not happen
     assert diff["ops"]["all_reduce"] == dict(calls=1, payload_bytes=33, sent_bytes=40,
-                                             inter_node_bytes=0, intra_node_bytes=40)
+                                             inter_node_bytes=0, intra_node_bytes=40,
+                                             staged_bytes=0, staging_s=0.0)
     assert diff["ops"]["all_gather_into"]["inter_node_bytes"] == 12
     assert (diff["sent_bytes"], diff["inter_node_bytes"], diff["intra_node_bytes"]) == (52, 12, 40)
     # snapshots are copies: recording later does not change them
@@ -104,7 +107,8 @@ def test_keep_entries_and_reset():
     assert CommLedger().entries == []  # keeping entries is opt-in
     ledger.reset()
     assert ledger.entries == [] and ledger.snapshot() == {
-        "ops": {}, "sent_bytes": 0, "inter_node_bytes": 0, "intra_node_bytes": 0}
+        "ops": {}, "sent_bytes": 0, "inter_node_bytes": 0, "intra_node_bytes": 0,
+        "staged_bytes": 0, "staging_s": 0}
 
 
 def test_record_is_thread_safe():
@@ -198,7 +202,8 @@ def test_base_class_records_each_collective_by_the_table():
         want = expected_sent(op, group.size, payload, False)
         assert diff["ops"] == {op: dict(calls=1, payload_bytes=payload, sent_bytes=want,
                                         inter_node_bytes=want if group.spans_nodes else 0,
-                                        intra_node_bytes=0 if group.spans_nodes else want)}, op
+                                        intra_node_bytes=0 if group.spans_nodes else want,
+                                        staged_bytes=0, staging_s=0.0)}, op
     # broadcast: the source sends, the others do not
     before = comm.ledger.snapshot()
     comm.broadcast(t, src=0, group=inter)  # we are group rank 0: the source
@@ -281,3 +286,18 @@ def test_split_and_topology_groups():
     assert intra.ranks == (0, 1) and not intra.spans_nodes
     assert inter.ranks == (0, 2) and inter.spans_nodes
     assert comm.intra_node_group() is intra  # cached
+
+
+def test_staging_copies_are_counted_per_collective_and_in_differences():
+    ledger = CommLedger()
+    ledger.record(entry("all_gather_into", 40, False, payload=40))
+    before = ledger.snapshot()
+    ledger.record(entry("all_gather_into", 40, False, payload=40))
+    ledger.record_staging("all_gather_into", 120, 0.25)
+    snap = ledger.snapshot()
+    assert snap["ops"]["all_gather_into"]["staged_bytes"] == 120
+    assert (snap["staged_bytes"], snap["staging_s"]) == (120, 0.25)
+    diff = CommLedger.difference(snap, before)
+    assert (diff["staged_bytes"], diff["staging_s"]) == (120, 0.25)
+    ledger.reset()
+    assert ledger.snapshot()["staged_bytes"] == 0

@@ -172,6 +172,13 @@ def test_host_kernels_refuse_vdev_tensors_by_name():
         quant_cpu.quantize(v, 8, 32)
 
 
+def test_swap_files_refuse_device_buffers_by_name(tmp_path):
+    from zero_core.offload.swap_file import SwapFile
+    swap = SwapFile(str(tmp_path / "x.swap"), torch.float32, 64, [(0, 64)], direct=False)
+    with pytest.raises(ValueError, match="CPU.*vdev"):
+        swap.write(0, torch.zeros(64, device="vdev"))
+
+
 def test_asking_for_vdev_without_the_plugin_says_how_to_install_it():
     from zero_core import registry
     from zero_core.errors import PluginError

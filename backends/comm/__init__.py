@@ -7,7 +7,10 @@ integer tensors before anything is sent. It imports torch only, never a vendor l
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
+import queue
 import threading
+from typing import Any, Callable
 
 import torch
 
@@ -87,6 +90,67 @@ class ScratchPool:
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+
+
+class CallThread:
+    """Runs a library's calls one at a time, in submission order, on one daemon thread.
+
+    For libraries whose calls block without a timeout of their own (MPI, oneCCL): the
+    caller waits on the returned future with a deadline (:func:`wait_future`), so a dead
+    peer becomes a timeout error instead of a hang; ``stuck`` tells whether a call is still
+    running when the process wants to exit.
+    """
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy_with: str | None = None      # description of the call in progress
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, what: str, fn: Callable[[], Any]) -> cf.Future:
+        future: cf.Future = cf.Future()
+        self._queue.put((what, fn, future))
+        return future
+
+    def call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run *fn* on the thread and return its result (for setup calls, no timeout)."""
+        return self.submit(what, fn).result()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            what, fn, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            self.busy_with = what
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+            finally:
+                self.busy_with = None
+
+    def stop(self, timeout: float) -> bool:
+        """Let queued calls finish, then end the thread; False if it is still stuck."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def stuck(self) -> bool:
+        return self._thread.is_alive() and self.busy_with is not None
+
+
+def wait_future(future: cf.Future, timeout: float) -> bool:
+    """Wait for *future* up to *timeout* seconds; False on timeout (its error is raised)."""
+    try:
+        future.result(timeout=timeout)
+    except cf.TimeoutError:
+        return False
+    return True
 
 
 def destroy_torch_distributed_at_exit() -> None:

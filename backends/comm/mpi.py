@@ -43,11 +43,8 @@ the whole job with "prterun noticed that process rank R ... exited on signal 9".
 from __future__ import annotations
 
 import atexit
-import concurrent.futures as cf
 import importlib.util
-import queue
 import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -57,8 +54,8 @@ from zero_core.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable, CommError
 from zero_core.rendezvous import MPI_INSTALL_HINT, import_mpi
 
-from . import (LOW_PRECISION_FLOATS, ScratchPool, destroy_torch_distributed_at_exit,
-               reduce_rows_into, refuse_integer_average)
+from . import (LOW_PRECISION_FLOATS, CallThread, ScratchPool, destroy_torch_distributed_at_exit,
+               reduce_rows_into, refuse_integer_average, wait_future)
 
 
 def _array(t: torch.Tensor):
@@ -70,58 +67,7 @@ def _array(t: torch.Tensor):
     return t.numpy()
 
 
-class _CommThread:
-    """Runs MPI calls one at a time, in submission order, on one daemon thread."""
 
-    def __init__(self):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.busy_with: str | None = None      # description of the call in progress
-        self._thread = threading.Thread(target=self._loop, name="zero-core-mpi", daemon=True)
-        self._thread.start()
-
-    def submit(self, what: str, fn: Callable[[], Any]) -> cf.Future:
-        future: cf.Future = cf.Future()
-        self._queue.put((what, fn, future))
-        return future
-
-    def call(self, what: str, fn: Callable[[], Any]) -> Any:
-        """Run *fn* on the thread and return its result (for setup calls, no timeout)."""
-        return self.submit(what, fn).result()
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            what, fn, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            self.busy_with = what
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
-            finally:
-                self.busy_with = None
-
-    def stop(self, timeout: float) -> bool:
-        """Let queued calls finish, then end the thread; False if it is still stuck."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    @property
-    def stuck(self) -> bool:
-        return self._thread.is_alive() and self.busy_with is not None
-
-
-def _wait_future(future: cf.Future, timeout: float) -> bool:
-    try:
-        future.result(timeout=timeout)
-    except cf.TimeoutError:
-        return False
-    return True
 
 
 class MpiCommunicator(Communicator):
@@ -146,7 +92,7 @@ class MpiCommunicator(Communicator):
 
     def __init__(self, launch, topology, timeout: float = 300.0):
         self._mpi = import_mpi()   # BackendUnavailable with the install hint if missing
-        self._thread: _CommThread | None = None
+        self._thread: CallThread | None = None
         self._comms: list = []
         self._scratch = ScratchPool()
         super().__init__(launch, topology, timeout)
@@ -170,7 +116,7 @@ class MpiCommunicator(Communicator):
                 f"MPI was initialized with thread level {MPI.Query_thread()}, below "
                 f"MPI_THREAD_SERIALIZED, which the MPI communicator's worker thread needs; "
                 f"do not set mpi4py.rc.thread_level to 'single'/'funneled' before importing MPI")
-        self._thread = _CommThread()
+        self._thread = CallThread("zero-core-mpi")
         comm = self._thread.call("Dup(COMM_WORLD)", world.Dup)
         self._comms.append(comm)
         ranks = tuple(range(self.world_size))
@@ -195,7 +141,7 @@ class MpiCommunicator(Communicator):
         if self._thread is None:
             raise CommError(f"{op}: the MPI communicator has been shut down")
         future = self._thread.submit(f"{op} on group '{group.name}'", fn)
-        return Handle(op, group, self.timeout, wait_fn=lambda t: _wait_future(future, t),
+        return Handle(op, group, self.timeout, wait_fn=lambda t: wait_future(future, t),
                       finish=finish, test_fn=future.done)
 
     def _all_gather_into(self, output, input, group) -> Handle:

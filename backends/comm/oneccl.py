@@ -79,12 +79,9 @@ import concurrent.futures as cf
 import ctypes
 import functools
 import os
-import queue
 import site
 import struct
 import sys
-import threading
-import time
 from typing import Any, Callable
 
 import torch
@@ -92,7 +89,7 @@ import torch
 from zero_core.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable, CommError, CommTimeoutError
 
-from . import refuse_integer_average
+from . import CallThread, refuse_integer_average, wait_future
 
 ONECCL_VERSION = "2022.2.0"
 #: the wheels, without their dependencies (see the module docstring for why)
@@ -280,7 +277,7 @@ def _locate(env_key: tuple) -> dict:
         if not mpi_lib and _findable("libmpi.so.12", []):
             return {"ok": True, "why": "", "lib": lib, "plugin": plugin, "fabric": None}
         return {"ok": False, "why": (
-            f"CCL_ATL_TRANSPORT=mpi needs an MPICH-ABI libmpi.so.12 (Intel MPI, MPICH) "
+            "CCL_ATL_TRANSPORT=mpi needs an MPICH-ABI libmpi.so.12 (Intel MPI, MPICH) "
             + (f"but CCL_MPI_LIBRARY_PATH={mpi_lib} is not a file" if mpi_lib else
                "and none was found (Open MPI's libmpi.so.40 is not ABI-compatible)")
             + f"; unset CCL_ATL_TRANSPORT to use the OFI transport, which needs libfabric: "
@@ -346,55 +343,6 @@ class _Comm:
 
 
 # ---- the worker thread ---------------------------------------------------------------------
-class _LibraryThread:
-    """Runs every oneCCL call, one at a time, in submission order, on one daemon thread."""
-
-    def __init__(self):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.busy_with: str | None = None
-        self._thread = threading.Thread(target=self._loop, name="zero-core-oneccl", daemon=True)
-        self._thread.start()
-
-    def submit(self, what: str, fn: Callable[[], Any]) -> cf.Future:
-        future: cf.Future = cf.Future()
-        self._queue.put((what, fn, future))
-        return future
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            what, fn, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            self.busy_with = what
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
-            finally:
-                self.busy_with = None
-
-    def stop(self, timeout: float) -> bool:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    @property
-    def stuck(self) -> bool:
-        return self._thread.is_alive() and self.busy_with is not None
-
-
-def _wait_future(future: cf.Future, timeout: float) -> bool:
-    try:
-        future.result(timeout=timeout)
-    except cf.TimeoutError:
-        return False
-    return True
-
-
 def _done_handle(op: str, group: Group, timeout: float,
                  finish: Callable[[], None] | None = None) -> Handle:
     return Handle(op, group, timeout, wait_fn=lambda t: True, finish=finish,
@@ -435,7 +383,7 @@ class OneCclCommunicator(Communicator):
         if not ok:
             raise BackendUnavailable(f"communicator 'oneccl' cannot run here: {why}")
         self._found = locate()
-        self._thread: _LibraryThread | None = None
+        self._thread: CallThread | None = None
         self._comms: list[_Comm] = []
         self._mpi = None
         self._gloo_group = None
@@ -489,7 +437,7 @@ class OneCclCommunicator(Communicator):
             self._mpi = import_mpi()     # initializes MPI before oneCCL reads the environment
         self._apply_settings()
         self._lib = self._load()
-        self._thread = _LibraryThread()
+        self._thread = CallThread("zero-core-oneccl")
         ranks = tuple(range(self.world_size))
         comm = self._create(ranks, "world")
         return Group("world", ranks, self.rank, self.topology.spans_nodes(ranks), comm)
@@ -522,7 +470,7 @@ class OneCclCommunicator(Communicator):
 
         what = f"onecclCommInitRank for group '{name}' (ranks {list(ranks)})"
         future = self._thread.submit(what, init)
-        if not _wait_future(future, self.timeout):
+        if not wait_future(future, self.timeout):
             raise CommTimeoutError(
                 f"{what} did not finish within {self.timeout:g} s: a member rank has probably "
                 f"died, or failed before joining (see its output)")
@@ -598,7 +546,7 @@ class OneCclCommunicator(Communicator):
                                 + (f" ({detail.decode(errors='replace')})" if detail else ""))
 
         future = self._thread.submit(f"{op} on group '{group.name}'", run)
-        return Handle(op, group, self.timeout, wait_fn=lambda t: _wait_future(future, t),
+        return Handle(op, group, self.timeout, wait_fn=lambda t: wait_future(future, t),
                       finish=finish, test_fn=future.done)
 
     @staticmethod

@@ -34,7 +34,7 @@ from zero_core.runtime import shutdown
 from zero_core.testing import report
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stage3_train import (MICRO, PENALTY, ce, full_params, global_batch, groups_of,  # noqa: E402
+from stage3_train import (MICRO, PENALTY, Net, ce, full_params, global_batch, groups_of,  # noqa: E402
                           make_model, penalty_param, rel_diff, stage3_config)
 
 STEPS, GAS, SEED = 3, 2, 11
@@ -92,7 +92,7 @@ def build(cfg: dict, opts: dict):
     if opts["init"]:
         torch.manual_seed(SEED)
         with zero_core.Init(config=cfg):
-            model = type(make_model(SEED))(opts["ckpt"])
+            model = Net(opts["ckpt"])
         with torch.no_grad():
             model.gain.copy_(make_model(SEED).gain)
     else:
