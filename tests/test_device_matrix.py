@@ -164,9 +164,11 @@ def test_vdev_over_its_own_transport_is_bit_identical_too(tmp_path_factory):
 
 @pytest.mark.parametrize("where", _where())
 def test_host_device_traffic_is_counted(where, tmp_path_factory):
-    """On vdev every collective is staged through pinned host buffers: the ledger counts
-    the copies (device->host of what is sent, host->device of what is received) and vdev's
-    allocator sees at least those bytes cross. On the CPU nothing is staged."""
+    """On vdev every collective is staged through pinned host buffers and the offload paths
+    really move bytes between device and host: the ledger counts both (staged bytes per
+    collective, ``transfers`` per offload path), the offloaded optimizer's traffic is
+    exactly the formula, and vdev's allocator sees at least those bytes cross. On the CPU
+    nothing is staged and nothing crosses."""
     n, launcher = where
     runs = launch(n, launcher, tmp_path_factory)
     for name in _scenarios(n):
@@ -174,4 +176,22 @@ def test_host_device_traffic_is_counted(where, tmp_path_factory):
         assert cpu["staged_bytes"] == 0 and cpu["h2d_bytes"] == cpu["d2h_bytes"] == 0, name
         assert vdev["sent_bytes"] == cpu["sent_bytes"], name
         assert vdev["staged_bytes"] > 0, name
-        assert vdev["h2d_bytes"] + vdev["d2h_bytes"] >= vdev["staged_bytes"], (name, vdev)
+        offload = vdev["offload"]
+        moved = sum(d["h2d"] + d["d2h"] for d in offload.values())
+        # vdev's allocator saw every counted copy cross (and a few more: input batches,
+        # scalars read by .item())
+        assert vdev["h2d_bytes"] + vdev["d2h_bytes"] >= vdev["staged_bytes"] + moved, (name, vdev)
+        assert cpu["offload"] == {}, name   # on the CPU nothing crosses
+        rep = runs["vdev"][name]
+        if name.startswith("off_opt"):
+            # the offloaded step moves this rank's partition of gradients to the host (into an
+            # fp32 buffer) and of the updated parameters back (compute dtype), once per step:
+            # (Psi_padded / N) x bytes, counted on the destination side
+            part = rep["partition_numel"]
+            assert offload["offload_optimizer"] == {"d2h": part * rep["grad_bytes"],
+                                                    "h2d": part * rep["param_bytes"]}, name
+        if name.startswith("off_param"):
+            # the optimizer writes to the host store; the device receives partitions only
+            # when a unit is gathered (forward, and backward for the units not kept)
+            assert offload["offload_optimizer"]["h2d"] == 0, name
+            assert offload["offload_param"]["h2d"] >= rep["partition_numel"] * rep["param_bytes"], name

@@ -107,8 +107,8 @@ def test_keep_entries_and_reset():
     assert CommLedger().entries == []  # keeping entries is opt-in
     ledger.reset()
     assert ledger.entries == [] and ledger.snapshot() == {
-        "ops": {}, "sent_bytes": 0, "inter_node_bytes": 0, "intra_node_bytes": 0,
-        "staged_bytes": 0, "staging_s": 0}
+        "ops": {}, "transfers": {}, "sent_bytes": 0, "inter_node_bytes": 0,
+        "intra_node_bytes": 0, "staged_bytes": 0, "staging_s": 0}
 
 
 def test_record_is_thread_safe():
@@ -301,3 +301,28 @@ def test_staging_copies_are_counted_per_collective_and_in_differences():
     assert (diff["staged_bytes"], diff["staging_s"]) == (120, 0.25)
     ledger.reset()
     assert ledger.snapshot()["staged_bytes"] == 0
+
+
+def test_host_device_copies_are_counted_on_the_destination_side_when_they_cross():
+    import torch
+    ledger = CommLedger()
+
+    class Fake:  # a tensor on another device, as far as the ledger can tell
+        def __init__(self, device, numel, size):
+            self.device, self._numel, self._size = torch.device(device), numel, size
+
+        def numel(self):
+            return self._numel
+
+        def element_size(self):
+            return self._size
+
+    host = torch.zeros(10)
+    ledger.record_copy("offload_optimizer", host, Fake("cuda", 10, 2))   # bf16 in, fp32 out
+    ledger.record_copy("offload_optimizer", Fake("cuda", 10, 2), host)
+    ledger.record_copy("offload_optimizer", host, torch.zeros(10))      # same side: free
+    before = ledger.snapshot()
+    assert before["transfers"] == {"offload_optimizer": {"d2h": 40, "h2d": 20}}
+    ledger.record_copy("offload_param", Fake("cuda", 5, 2), host)
+    diff = CommLedger.difference(ledger.snapshot(), before)
+    assert diff["transfers"] == {"offload_param": {"h2d": 10, "d2h": 0}}

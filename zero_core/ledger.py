@@ -21,6 +21,14 @@ Collectives on device tensors that a host-only communicator carries are staged t
 pinned host buffers (:mod:`zero_core.comm_staging`); the device<->host copies they cost
 are recorded per op as ``staged_bytes`` (both directions) and ``staging_s`` (seconds).
 
+Host<->device copies that are not collectives — the offloaded optimizer's gradients going
+to the host and updated parameters coming back, offloaded parameter partitions fetched for a
+gather — are recorded with :meth:`CommLedger.record_copy` under a name ("offload_optimizer",
+"offload_param"): ``snapshot()["transfers"][name] = {"h2d": bytes, "d2h": bytes}``, counted
+as the bytes written on the destination side (a copy that also converts the dtype counts its
+output). Copies that stay on one side of the bus are not counted (on the CPU nothing ever
+crosses).
+
 A group "spans nodes" when its ranks sit on more than one node of the topology; its
 bytes are counted as inter-node. That is the link class ZeRO++'s claims are about.
 """
@@ -66,6 +74,7 @@ class CommLedger:
         self.entries: list[LedgerEntry] = []
         self._totals: dict[tuple[str, bool], list[int]] = defaultdict(lambda: [0, 0, 0])
         self._staging: dict[str, list] = defaultdict(lambda: [0, 0.0])
+        self._transfers: dict[tuple[str, str], int] = defaultdict(int)
 
     def record(self, entry: LedgerEntry) -> None:
         with self._lock:
@@ -82,6 +91,15 @@ class CommLedger:
             t = self._staging[op]
             t[0] += nbytes
             t[1] += seconds
+
+    def record_copy(self, what: str, dst, src) -> None:
+        """Count ``dst.copy_(src)`` (or ``src.to(dst.device)``) under *what* when it crosses
+        between host and device; same-side copies are free and not counted."""
+        if dst.device.type == src.device.type:
+            return
+        direction = "d2h" if dst.device.type == "cpu" else "h2d"
+        with self._lock:
+            self._transfers[(what, direction)] += dst.numel() * dst.element_size()
 
     def snapshot(self) -> dict:
         """Totals so far: ``{"ops": {op: {"calls", "payload_bytes", "sent_bytes",
@@ -102,8 +120,12 @@ class CommLedger:
             for op, (staged, seconds) in self._staging.items():
                 if op in ops:
                     ops[op]["staged_bytes"], ops[op]["staging_s"] = staged, seconds
+            transfers: dict[str, dict[str, int]] = {}
+            for (what, direction), nbytes in self._transfers.items():
+                transfers.setdefault(what, {"h2d": 0, "d2h": 0})[direction] = nbytes
         return {
             "ops": ops,
+            "transfers": transfers,
             "sent_bytes": sum(d["sent_bytes"] for d in ops.values()),
             "inter_node_bytes": sum(d["inter_node_bytes"] for d in ops.values()),
             "intra_node_bytes": sum(d["intra_node_bytes"] for d in ops.values()),
@@ -119,8 +141,15 @@ class CommLedger:
             b = before["ops"].get(op, {})
             ops[op] = {k: v - b.get(k, 0) for k, v in d.items()}
         ops = {op: d for op, d in ops.items() if d["calls"]}
+        transfers = {}
+        for what, d in after.get("transfers", {}).items():
+            b = before.get("transfers", {}).get(what, {})
+            moved = {k: v - b.get(k, 0) for k, v in d.items()}
+            if any(moved.values()):
+                transfers[what] = moved
         return {
             "ops": ops,
+            "transfers": transfers,
             "sent_bytes": after["sent_bytes"] - before["sent_bytes"],
             "inter_node_bytes": after["inter_node_bytes"] - before["inter_node_bytes"],
             "intra_node_bytes": after["intra_node_bytes"] - before["intra_node_bytes"],
@@ -132,4 +161,5 @@ class CommLedger:
         with self._lock:
             self._totals.clear()
             self._staging.clear()
+            self._transfers.clear()
             self.entries.clear()

@@ -160,7 +160,16 @@ def run_scenario(name: str, scratch: str) -> dict:
            "placement": device_audit.summary(engine),
            "transfer": {"h2d_bytes": after["h2d_bytes"] - before["h2d_bytes"],
                         "d2h_bytes": after["d2h_bytes"] - before["d2h_bytes"],
-                        "staged_bytes": wire["staged_bytes"], "sent_bytes": wire["sent_bytes"]},
+                        "staged_bytes": wire["staged_bytes"], "sent_bytes": wire["sent_bytes"],
+                        "offload": wire["transfers"]},
+           # this rank's partition of every group (elements) and the bytes per element of
+           # gradients and parameters: the offloaded step's traffic formula
+           "partition_numel": sum(gb.layout.partition_numel for gb in engine._buffers
+                                  if gb is not None),
+           # the offloaded step's host gradient buffer is fp32 (the copy converts)
+           "grad_bytes": 4,
+           "param_bytes": next(gb.param_buf.dtype.itemsize for gb in engine._buffers
+                               if gb is not None),
            "device": str(engine.device), "skipped": engine.skipped_steps,
            "precision": ("bf16" if cfg.get("bf16", {}).get("enabled")
                          else "fp16" if cfg.get("fp16", {}).get("enabled") else "fp32")}

@@ -44,6 +44,10 @@ from .subgroups import plan_subgroups
 MASTER = "master"
 
 
+#: the ledger's name for this optimizer's host<->device copies (CommLedger.record_copy)
+TRANSFER = "offload_optimizer"
+
+
 class OffloadedOptimizer(PartitionedOptimizer):
     """Steps the partitions of *buffers* on the CPU from a host or NVMe *store* kind (see
     module docstring). *param_sink* (stage 3 parameter offload) receives the updated
@@ -160,7 +164,9 @@ class OffloadedOptimizer(PartitionedOptimizer):
             grad = store.grad_buffer(sg.numel)
             for p in sg.pieces:
                 src = gb.reduced_grad_bucket(p.bucket).narrow(0, p.shard_offset, p.numel)
-                grad.narrow(0, p.sub_offset, p.numel).copy_(src)
+                dst = grad.narrow(0, p.sub_offset, p.numel)
+                dst.copy_(src)
+                self.comm.ledger.record_copy(TRANSFER, dst, src)
             if self.grad_factor != 1.0:
                 grad.mul_(self.grad_factor)
             self._kernel_subgroup(sg.group, states, grad)
@@ -200,14 +206,18 @@ class OffloadedOptimizer(PartitionedOptimizer):
                 if self.param_sink is not None:
                     self.param_sink.write_piece(gb, p.bucket, p.shard_offset, values)
                 else:
-                    gb.param_buf.bucket(p.bucket).narrow(0, p.shard_offset, p.numel).copy_(values)
+                    dst = gb.param_buf.bucket(p.bucket).narrow(0, p.shard_offset, p.numel)
+                    dst.copy_(values)
+                    self.comm.ledger.record_copy(TRANSFER, dst, values)
                 continue
             key = (sg.group, p.bucket)
             send = sends.get(key)
             if send is None:
                 send = sends[key] = self._send.take(gb.layout.shard_size(p.bucket),
                                                     lambda: self._finish_one(inflight))
-            send.narrow(0, p.shard_offset, p.numel).copy_(values)
+            dst = send.narrow(0, p.shard_offset, p.numel)
+            dst.copy_(values)
+            self.comm.ledger.record_copy(TRANSFER, dst, values)
             if p.shard_offset + p.numel == gb.layout.shard_size(p.bucket):
                 del sends[key]
                 self._launch_gather(gb, p.bucket, send, inflight)

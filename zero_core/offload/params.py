@@ -56,6 +56,10 @@ class _MappedParams(FlatBuffer):
         return self._store.mapped(self._group)
 
 
+#: the ledger's name for the partitions' host->device copies (CommLedger.record_copy)
+TRANSFER = "offload_param"
+
+
 class ParamOffload:
     """Where stage 3's parameter partitions live when ``offload_param`` is on."""
 
@@ -64,9 +68,10 @@ class ParamOffload:
     HOST_ATTRS = ("partitions", "_cache", "_buffers", "_assembling")
 
     def __init__(self, cfg, compute_dtype: torch.dtype, device: torch.device, rank: int,
-                 world_size: int, accelerator):
+                 world_size: int, accelerator, ledger=None):
         self.cfg, self.dtype, self.device = cfg, compute_dtype, device
         self.rank, self.world_size, self.accelerator = rank, world_size, accelerator
+        self.ledger = ledger   # counts the partitions fetched to the device (CommLedger)
         self.nvme = cfg.device == "nvme"
         self.directory = rank_directory(cfg.nvme_path, rank, f"{KEY}.nvme_path") if self.nvme else None
         self.files: list[SwapFile] = []
@@ -170,13 +175,13 @@ class ParamOffload:
         if not self.nvme:
             if u.part.device == self.device:
                 return u.part
-            return u.part.to(self.device, non_blocking=self.cfg.pin_memory)
+            return self._to_device(u.part, non_blocking=self.cfg.pin_memory)
         self._reseal()
         if self._stepping:
             self.flush()
         cached = self._cache.get(id(u))
         if cached is not None:
-            return cached.to(self.device)
+            return self._to_device(cached)
         entry = self._ready.pop(u.index, None)
         if entry is None:
             buf = self._take_buffer()
@@ -191,7 +196,13 @@ class ParamOffload:
             raise
         self._inflight[u.index] = (u, buf)
         self._read_ahead(u)
-        return part if self.device.type == "cpu" else part.to(self.device)
+        return part if self.device.type == "cpu" else self._to_device(part)
+
+    def _to_device(self, part: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        moved = part.to(self.device, non_blocking=non_blocking)
+        if self.ledger is not None:
+            self.ledger.record_copy(TRANSFER, moved, part)
+        return moved
 
     def fetched(self, u) -> None:
         """The gather of *u* completed: its staging buffer is free again."""
@@ -421,4 +432,4 @@ def build_param_offload(engine) -> ParamOffload | None:
                           f"with ZeRO++ (zero_quantized_weights / zero_hpz_partition_size / "
                           f"zero_quantized_gradients) yet; switch one of them off")
     return ParamOffload(cfg, engine.compute_dtype, engine.device, engine.global_rank,
-                        engine.world_size, engine.runtime.accelerator)
+                        engine.world_size, engine.runtime.accelerator, engine.comm.ledger)
