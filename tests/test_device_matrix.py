@@ -12,8 +12,9 @@ Each launch runs tests/workers/device_matrix.py's scenarios (stages 0-3 in fp32/
 with gradient accumulation and clipping, zero_core.Init, activation checkpointing with
 cpu_checkpointing, qwZ/hpZ/qgZ, offload_optimizer and offload_param to cpu and nvme, and a
 checkpoint saved on one device and resumed on the other) once with
-ZERO_CORE_ACCELERATOR=cpu and once with =vdev, on 2 and 4 ranks, over gloo (torchrun) and
-MPI (mpirun). The bit-identity is the test; the bounds against the plain-torch reference
+ZERO_CORE_ACCELERATOR=cpu and once with =vdev: on 2 ranks over gloo (torchrun) and MPI
+(mpirun), and on 4 ranks over gloo (the 4-rank MPI corner of the grid adds nothing the other
+three do not cover and would take the suite past its 20-minute budget). The bit-identity is the test; the bounds against the plain-torch reference
 only show that the identical numbers are also right: fp32 1e-5 (as the CPU tests), and
 2e-2 for bf16 and fp16, whose rounding of near-zero gradients can turn an Adam update
 (about +-lr = 1e-2 whatever the gradient's size) around: measured 6.7e-3 for fp16 at
@@ -37,24 +38,21 @@ ALL = ("s0", "s1", "s2", "s3", "s2_bf16", "s2_fp16", "s3_bf16", "s3_fp16", "s3_i
 NATIVE = ("s0", "s2_bf16", "s3", "s3_init", "zpp_qwz", "zpp_qgz", "off_opt_cpu",
           "off_param_nvme", "ckpt", "ckpt_off")
 # 4 ranks on 2 cores: the features whose collectives change shape with the world size
-FOUR = ("s1", "s2_bf16", "s3", "s3_fp16", "zpp_hpz", "zpp_qgz", "off_param_nvme", "ckpt")
+FOUR = ("s1", "s3_fp16", "zpp_hpz", "zpp_qgz", "off_param_nvme", "ckpt")
 RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
 # (ranks, launcher) -> accelerator whose launch runs first; the other one resumes from its
 # checkpoint, so both directions (saved on vdev/loaded on cpu and the reverse) are covered
-FIRST = {(2, "torchrun"): "cpu", (2, "mpirun"): "vdev", (4, "torchrun"): "vdev",
-         (4, "mpirun"): "cpu"}
+FIRST = {(2, "torchrun"): "cpu", (2, "mpirun"): "vdev", (4, "torchrun"): "vdev"}
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 
 def _where():
     out = []
-    for n in (2, 4):
-        for launcher in ("torchrun", "mpirun"):
-            marks = [pytest.mark.skipif(mpirun_path() is None, reason="mpirun not installed: "
-                                        "pip install 'zero-core[mpi]'")] \
-                if launcher == "mpirun" else []
-            out.append(pytest.param((n, launcher), marks=marks, id=f"{n}-{launcher}"))
+    for n, launcher in FIRST:
+        marks = [pytest.mark.skipif(mpirun_path() is None, reason="mpirun not installed: "
+                                    "pip install 'zero-core[mpi]'")] if launcher == "mpirun" else []
+        out.append(pytest.param((n, launcher), marks=marks, id=f"{n}-{launcher}"))
     return out
 
 
