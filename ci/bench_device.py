@@ -97,11 +97,5 @@ def main(argv=None):
             json.dump(results, fh, indent=1)
 
 
-def table_from_json(path: str) -> str:
-    """The table of an earlier run's --json output."""
-    with open(path) as fh:
-        return table(json.load(fh))
-
-
 if __name__ == "__main__":
     main()

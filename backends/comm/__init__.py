@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import queue
+import sys
 import threading
 from typing import Any, Callable
 
@@ -138,6 +139,14 @@ class CallThread:
             self._queue.put(None)
             self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def stop_or_report(self, library: str, timeout: float) -> bool:
+        """:meth:`stop`, saying on stderr which call is still running when it fails."""
+        if self.stop(timeout):
+            return True
+        print(f"zero-core: the {library} worker thread is still inside '{self.busy_with}' "
+              f"after {timeout:g} s", file=sys.stderr, flush=True)
+        return False
 
     @property
     def stuck(self) -> bool:

@@ -235,9 +235,7 @@ class MpiCommunicator(Communicator):
         mpi4py at exit (torch.distributed's gloo rendezvous may still need it)."""
         thread, self._thread = self._thread, None
         self._scratch.clear()
-        if thread is not None and not thread.stop(timeout=self.timeout):
-            print(f"zero-core: the MPI worker thread is still inside "
-                  f"'{thread.busy_with}' after {self.timeout:g} s", file=sys.stderr, flush=True)
+        if thread is not None and not thread.stop_or_report("MPI", self.timeout):
             self._thread = thread  # keep it visible to the exit hook
 
     def _at_exit(self) -> None:

@@ -632,9 +632,7 @@ class OneCclCommunicator(Communicator):
         for comm in reversed(comms):
             thread.submit(f"onecclCommDestroy for group '{comm.name}'",
                           lambda c=comm: lib.onecclCommDestroy(c.ptr))
-        if not thread.stop(timeout=self.timeout):
-            print(f"zero-core: the oneccl worker thread is still inside '{thread.busy_with}' "
-                  f"after {self.timeout:g} s", file=sys.stderr, flush=True)
+        if not thread.stop_or_report("oneccl", self.timeout):
             self._thread = thread  # keep it visible to the exit hook
 
     def _at_exit(self) -> None:

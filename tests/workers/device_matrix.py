@@ -185,21 +185,20 @@ def run_scenario(name: str, scratch: str) -> dict:
 def run_checkpoint(scratch: str, offloaded: bool = False) -> dict:
     """Save after 2 steps on this accelerator; resume from LOAD_FROM's checkpoint (with
     *offloaded*, the optimizer state in host memory: ``ckpt_off``)."""
+    suffix = "_off" if offloaded else ""   # one directory per (accelerator, scenario)
     acc = zero_core.get_runtime().accelerator.name
-    cfg, opts = config(2), {"init": False, "ckpt": False}
-    if offloaded:
-        cfg = config(2, offload_optimizer=offload("cpu", scratch))
-        acc += "_off"
+    cfg = config(2, offload_optimizer=offload("cpu", scratch)) if offloaded else config(2)
+    opts = {"init": False, "ckpt": False}
     engine, model = build(cfg, opts)
     for s in range(2):
         train_step(engine, model, s)
     saved = fingerprint(model)
-    engine.save_checkpoint(os.path.join(scratch, acc))
+    engine.save_checkpoint(os.path.join(scratch, acc + suffix))
     train_step(engine, model, 2)
     continued = fingerprint(model)
     engine.destroy()
 
-    load_from = os.environ.get("LOAD_FROM", acc.split("_")[0]) + ("_off" if offloaded else "")
+    load_from = os.environ.get("LOAD_FROM", acc) + suffix
     engine, model = build(cfg, opts)
     engine.load_checkpoint(os.path.join(scratch, load_from))
     loaded = fingerprint(model)
