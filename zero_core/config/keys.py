@@ -1,0 +1,319 @@
+"""The key tables of zero-core's DeepSpeed-compatible config, the one place that says what
+is accepted: ``SUPPORTED_KEYS`` (every key zero-core reads, per section), ``NOT_YET_IMPLEMENTED``
+(DeepSpeed keys refused by name until zero-core implements them), ``NEUTRAL_VALUES`` (the one
+value each of those may still take: the feature off), the optimizer and LR-schedule names, and
+the reference table below of every supported key with its default and valid values, which
+``tests/test_config.py`` checks against the tables.
+
+Supported keys
+--------------
+
+================================================================  ============  ==========================================
+key                                                               default       meaning / valid values
+================================================================  ============  ==========================================
+train_batch_size                                                  derived       micro × accumulation × world size
+train_micro_batch_size_per_gpu                                    derived / 1   samples per rank per forward
+gradient_accumulation_steps                                       derived / 1   micro-batches per optimizer step
+gradient_clipping                                                 0.0           max global L2 grad norm; 0 = off
+steps_per_print                                                   10            integer >= 1
+wall_clock_breakdown                                              false         bool
+zero_allow_untested_optimizer                                     false         bool; accepted, no effect (the engine
+                                                                                checks client optimizers itself)
+fp16.enabled                                                      false         bool (not together with bf16)
+fp16.loss_scale                                                   0.0           0 = dynamic, > 0 = static scale
+fp16.initial_scale_power                                          16            dynamic scale starts at 2**power
+fp16.loss_scale_window                                            1000          good steps before the scale doubles
+fp16.hysteresis                                                   2             overflows absorbed before halving
+fp16.consecutive_hysteresis                                       false         refill hysteresis on each good step
+fp16.min_loss_scale                                               1.0           > 0, floor of the dynamic scale
+bf16.enabled (also spelled ``bfloat16``)                          false         bool
+optimizer.type                                                    required      Adam | AdamW | SGD (any case)
+optimizer.params.lr                                               1e-3          >= 0
+optimizer.params.betas (Adam, AdamW)                              [0.9, 0.999]  two numbers in [0, 1)
+optimizer.params.eps (Adam, AdamW)                                1e-8          > 0
+optimizer.params.weight_decay                                     0.0           >= 0
+optimizer.params.adam_w_mode (Adam, AdamW)                        true          decoupled decay; DeepSpeed's default
+                                                                                for "Adam" too; false is refused for AdamW
+optimizer.params.bias_correction (Adam, AdamW)                    true          bool
+optimizer.params.torch_adam (Adam, AdamW)                         false         accepted, no effect
+optimizer.params.momentum (SGD)                                   0.0           >= 0
+optimizer.params.dampening (SGD)                                  0.0           >= 0
+optimizer.params.nesterov (SGD)                                   false         needs momentum > 0, dampening 0
+scheduler.type                                                    required      WarmupLR | WarmupDecayLR | WarmupCosineLR
+scheduler.params.warmup_min_lr (WarmupLR, WarmupDecayLR)          0.0           lr at the start; number or list
+scheduler.params.warmup_max_lr (WarmupLR)                         optimizer lr  lr after warmup; number or list
+scheduler.params.warmup_max_lr (WarmupDecayLR)                    0.001         lr after warmup; number or list
+scheduler.params.warmup_num_steps                                 1000          >= 1 (at least 2 are used)
+scheduler.params.warmup_type                                      "log"         "log" | "linear"
+scheduler.params.total_num_steps (WarmupDecayLR, WarmupCosineLR)  required      >= 1
+scheduler.params.warmup_min_ratio (WarmupCosineLR)                0.0           in [0, 1], × optimizer lr
+scheduler.params.cos_min_ratio (WarmupCosineLR)                   1e-4          in [0, 1], × optimizer lr
+scheduler.params.last_batch_iteration                             -1            >= -1 (resume position)
+zero_optimization.stage                                           0             0, 1, 2 or 3
+zero_optimization.reduce_bucket_size                              5e6           elements, >= 1
+zero_optimization.allgather_bucket_size                           5e8           elements, >= 1
+zero_optimization.overlap_comm                                    true          bool
+zero_optimization.contiguous_gradients                            true          bool
+zero_optimization.reduce_scatter                                  true          bool
+zero_optimization.stage3_prefetch_bucket_size                     5e7           elements gathered ahead of use, >= 0
+zero_optimization.stage3_param_persistence_threshold              1e5           parameters with fewer elements stay
+                                                                                gathered until the next step, >= 0
+zero_optimization.stage3_max_live_parameters                      1e9           elements gathered at once, >= 1
+zero_optimization.stage3_max_reuse_distance                       1e9           keep a parameter gathered if it is used
+                                                                                again within this many elements, >= 0
+zero_optimization.stage3_gather_16bit_weights_on_model_save       false         bool; save_16bit_model() gathers
+zero_optimization.prefetch_bucket_size                                          = stage3_prefetch_bucket_size
+zero_optimization.param_persistence_threshold                                   = stage3_param_persistence_threshold
+zero_optimization.max_live_parameters                                           = stage3_max_live_parameters
+zero_optimization.max_reuse_distance                                            = stage3_max_reuse_distance
+zero_optimization.gather_16bit_weights_on_model_save                            = stage3_gather_16bit_weights_on_...
+zero_optimization.stage3_gather_fp16_weights_on_model_save                      = stage3_gather_16bit_weights_on_...
+zero_optimization.zero_quantized_weights                          false         bool; ZeRO++ qwZ: stage-3 all-gathers
+                                                                                carry int8 + block scales (stage 3 only)
+zero_optimization.zero_quantized_nontrainable_weights             false         bool; qwZ for frozen parameters only
+                                                                                (stage 3 only)
+zero_optimization.zero_hpz_partition_size                         1             ZeRO++ hpZ: ranks sharing a secondary
+                                                                                partition (normally the ranks per node);
+                                                                                1 = off; divides the world size; stage 3
+zero_optimization.zero_quantized_gradients                        false         bool; ZeRO++ qgZ: two-hop int4 gradient
+                                                                                all-to-all (stage 3 only)
+zero_optimization.sub_group_size                                  1e9           elements the offloaded optimizer steps at
+                                                                                once (NVMe: one swap unit), >= 1
+zero_optimization.offload_optimizer.device                        "none"        "none" | "cpu" | "nvme": fp32 master weights
+                                                                                and optimizer states in host memory / in
+                                                                                files; stepped on the CPU (stages 1-3)
+zero_optimization.offload_optimizer.nvme_path                     null          directory for the swap files (device nvme;
+                                                                                a subdirectory per rank is created/removed)
+zero_optimization.offload_optimizer.pin_memory                    false         bool; page-locked host buffers where the
+                                                                                accelerator has pinning (no-op on the CPU)
+zero_optimization.offload_optimizer.buffer_count                  4             sub-group buffers in host memory (nvme):
+                                                                                read-ahead + compute + write-behind, >= 3
+zero_optimization.offload_optimizer.fast_init                     false         bool; accepted, no effect (state files
+                                                                                always start as sparse zero files)
+zero_optimization.offload_optimizer.ratio                         1.0           only 1.0 (everything offloaded)
+zero_optimization.offload_optimizer.pipeline_read                 false         bool; accepted, no effect (reads are
+                                                                                always pipelined)
+zero_optimization.offload_optimizer.pipeline_write                false         bool; accepted, no effect (writes are
+                                                                                always pipelined)
+zero_optimization.offload_param.device                            "none"        "none" | "cpu" | "nvme": stage-3 parameter
+                                                                                partitions in host memory / files
+zero_optimization.offload_param.nvme_path                         null          directory for the parameter files (nvme)
+zero_optimization.offload_param.pin_memory                        false         bool, as for offload_optimizer
+zero_optimization.offload_param.buffer_count                      5             staging buffers for units read from
+                                                                                files (nvme), >= 2
+zero_optimization.offload_param.buffer_size                       1e8           elements per staging buffer; must hold
+                                                                                a fetch unit's partition, >= 1
+zero_optimization.offload_param.max_in_cpu                        1e9           partition elements kept in host memory
+                                                                                instead of files (nvme), >= 0
+activation_checkpointing.partition_activations                    false         bool; split saved inputs across the
+                                                                                model-parallel group (mpu in configure)
+activation_checkpointing.cpu_checkpointing                        false         bool; saved inputs in host memory (also
+                                                                                without partitioning, unlike DeepSpeed)
+activation_checkpointing.contiguous_memory_optimization           false         bool; one reused buffer per checkpoint
+                                                                                (needs number_checkpoints)
+activation_checkpointing.number_checkpoints                       null          checkpointed calls per forward pass (the
+                                                                                contiguous buffer count), >= 1, or null
+activation_checkpointing.synchronize_checkpoint_boundary          false         bool; device sync around each checkpoint
+activation_checkpointing.profile                                  false         bool; time each forward/recompute
+accelerator (zero-core)                                           null          "cpu", "cuda", "hpu", ... or null
+comm_backend (zero-core)                                          null          "gloo", "mpi", "nccl", ... or null
+comm_timeout (zero-core)                                          null          seconds > 0, or null
+topology.ranks_per_node (zero-core)                               null          divisor of the world size, or null
+================================================================  ============  ==========================================
+
+Batch size: ``train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps
+The ``activation_checkpointing`` section is read by ``zero_core.checkpointing.configure(mpu,
+deepspeed_config=...)`` (as in DeepSpeed, the model code calls it; the engine does not).
+
+Adding a key later (stage 3, ZeRO++, offload, checkpoints): move its name from
+``NOT_YET_IMPLEMENTED`` to ``SUPPORTED_KEYS``, read it in the section's ``_parse_*`` function
+(:mod:`zero_core.config.parser`) and add a row to the table above. ``tests/test_config.py``
+checks the three stay in step.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["SUPPORTED_KEYS", "NOT_YET_IMPLEMENTED", "NEUTRAL_VALUES", "OPTIMIZER_TYPES",
+           "SCHEDULER_TYPES", "MAX_ZERO_STAGE"]
+
+# ---------------------------------------------------------------------------------------------
+# The key tables: the one place that says what zero-core accepts. A section is named by its
+# dotted path; sections whose keys depend on a "type" get ":<Type>" appended.
+# ---------------------------------------------------------------------------------------------
+
+_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction",
+                "torch_adam")
+_WARMUP_PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                  "last_batch_iteration")
+
+SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
+    "": ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+         "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler",
+         "zero_optimization", "steps_per_print", "wall_clock_breakdown",
+         "zero_allow_untested_optimizer", "activation_checkpointing",
+         "accelerator", "comm_backend", "comm_timeout", "topology"),
+    "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+             "consecutive_hysteresis", "min_loss_scale"),
+    "bf16": ("enabled",),
+    "optimizer": ("type", "params"),
+    "optimizer.params:Adam": _ADAM_PARAMS,
+    "optimizer.params:AdamW": _ADAM_PARAMS,
+    "optimizer.params:SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+    "scheduler": ("type", "params"),
+    "scheduler.params:WarmupLR": _WARMUP_PARAMS,
+    "scheduler.params:WarmupDecayLR": _WARMUP_PARAMS + ("total_num_steps",),
+    "scheduler.params:WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps",
+                                        "cos_min_ratio", "warmup_type", "last_batch_iteration"),
+    "zero_optimization": ("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+                          "contiguous_gradients", "reduce_scatter",
+                          "stage3_prefetch_bucket_size", "prefetch_bucket_size",
+                          "stage3_param_persistence_threshold", "param_persistence_threshold",
+                          "stage3_max_live_parameters", "max_live_parameters",
+                          "stage3_max_reuse_distance", "max_reuse_distance",
+                          "stage3_gather_16bit_weights_on_model_save",
+                          "gather_16bit_weights_on_model_save",
+                          "stage3_gather_fp16_weights_on_model_save",
+                          "offload_optimizer", "offload_param", "sub_group_size",
+                          "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                          "zero_hpz_partition_size", "zero_quantized_gradients"),
+    "zero_optimization.offload_optimizer": ("device", "nvme_path", "pin_memory", "buffer_count",
+                                            "fast_init", "ratio", "pipeline_read",
+                                            "pipeline_write"),
+    "zero_optimization.offload_param": ("device", "nvme_path", "pin_memory", "buffer_count",
+                                        "buffer_size", "max_in_cpu"),
+    "topology": ("ranks_per_node",),
+    "activation_checkpointing": ("partition_activations", "cpu_checkpointing",
+                                 "contiguous_memory_optimization", "number_checkpoints",
+                                 "synchronize_checkpoint_boundary", "profile"),
+}
+
+# DeepSpeed keys zero-core does not implement yet: pattern -> what the key is for. Refused by
+# name, so that a DeepSpeed config never trains with a feature silently missing.
+NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
+    "": {
+        "amp": "NVIDIA Apex AMP",
+        "torch_autocast": "torch.autocast mixed precision",
+        "communication_data_type": "a separate dtype for gradient communication",
+        "seq_parallel_communication_data_type": "sequence-parallel communication dtype",
+        "prescale_gradients": "gradient prescaling before the all-reduce",
+        "gradient_predivide_factor": "gradient pre-division before the all-reduce",
+        "gradient_allreduce_op": "choosing sum instead of mean for the gradient reduction",
+        "sparse_gradients": "sparse embedding gradients",
+        "checkpoint": "checkpoint options",
+        "load_universal_checkpoint": "universal checkpoints",
+        "use_node_local_storage": "node-local checkpoint storage",
+        "pipeline": "pipeline parallelism",
+        "tensor_parallel": "tensor parallelism (AutoTP)",
+        "expert_parallel": "expert parallelism (AutoEP)",
+        "sequence_parallel_size": "sequence parallelism",
+        "elasticity": "elastic training",
+        "autotuning": "the autotuner",
+        "flops_profiler": "the FLOPs profiler",
+        "comms_logger": "the communication logger (zero-core's ledger records every collective)",
+        "tensorboard": "TensorBoard monitoring",
+        "wandb": "Weights & Biases monitoring",
+        "csv_monitor": "CSV monitoring",
+        "comet": "Comet monitoring",
+        "compression_training": "compression training",
+        "data_efficiency": "data efficiency (curriculum learning, data routing)",
+        "curriculum_learning": "curriculum learning",
+        "progressive_layer_drop": "progressive layer drop",
+        "eigenvalue": "eigenvalue computation",
+        "quantize_training": "quantization-aware training",
+        "weight_quantization": "weight quantization",
+        "sparse_attention": "sparse attention kernels",
+        "hybrid_engine": "the RLHF hybrid engine",
+        "aio": "asynchronous NVMe I/O (ZeRO-Infinity offload)",
+        "nebula": "Nebula checkpointing",
+        "compile": "torch.compile / DeepCompile integration",
+        "data_types": "separate gradient-accumulation dtype",
+        "zero_force_ds_cpu_optimizer": "the DeepSpeed CPU optimizer switch",
+        "memory_breakdown": "memory breakdown logging",
+        "dump_state": "state dump at start",
+        "disable_allgather": "broadcast instead of all-gather",
+        "dataloader_drop_last": "the DeepSpeed data loader",
+        "graph_harvesting": "CUDA graph harvesting",
+        "timers": "throughput timers",
+        "managed_gradient_accumulation": "client-managed accumulation boundaries",
+        "use_data_before_expert_parallelism": "MoE data layout",
+    },
+    "fp16": {
+        "auto_cast": "casting inputs to fp16",
+        "fp16_master_weights_and_grads": "fp16 master weights",
+    },
+    "bf16": {
+        "bf16_master_weights_and_grads": "bf16 master weights",
+        "bf16_optimizer_states": "bf16 optimizer states",
+        "immediate_grad_update": "immediate bf16 gradient updates",
+        "check_grad_overflow": "overflow checks in bf16",
+    },
+    "optimizer.params:Adam": {"amsgrad": "AMSGrad", "fused": "the fused torch kernel switch"},
+    "optimizer.params:AdamW": {"amsgrad": "AMSGrad", "fused": "the fused torch kernel switch"},
+    "zero_optimization": {
+        "stage3_model_persistence_threshold": "ZeRO stage 3 whole-model persistence limit",
+        "model_persistence_threshold": "ZeRO stage 3 whole-model persistence limit",
+        "stage3_module_granularity_threshold": "ZeRO stage 3 module granularity",
+        "module_granularity_threshold": "ZeRO stage 3 module granularity",
+        "stage3_use_all_reduce_for_fetch_params": "ZeRO stage 3 all-reduce fetch",
+        "use_all_reduce_for_fetch_params": "ZeRO stage 3 all-reduce fetch",
+        "stage3_*": "this ZeRO stage 3 option",
+        "cpu_offload": "optimizer offload (ZeRO-Offload)",
+        "cpu_offload_param": "parameter offload",
+        "cpu_offload_use_pin_memory": "pinned offload buffers",
+        "zeropp_loco_param": "ZeRO++ LoCo error feedback",
+        "mics_shard_size": "MiCS sharding",
+        "mics_hierarchical_params_gather": "MiCS hierarchical gather",
+        "elastic_checkpoint": "elastic checkpoints",
+        "load_from_fp32_weights": "checkpoint loading options",
+        "allgather_partitions": "broadcast instead of all-gather for updated parameters",
+        "round_robin_gradients": "round-robin gradient copies for offload",
+        "ignore_unused_parameters": "the unused-parameter switch",
+        "legacy_stage1": "legacy stage 1",
+        "memory_efficient_linear": "memory-efficient linear layers",
+        "pipeline_loading_checkpoint": "pipelined checkpoint loading",
+        "override_module_apply": "module.apply override",
+        "log_trace_cache_warnings": "stage 3 trace cache",
+        "compute_grad_norm": "switching off the gradient norm",
+        "parameter_alignment": "16-byte parameter alignment",
+        "save_muon_momentum_buffer_in_memory": "the Muon optimizer",
+        "use_multi_rank_bucket_allreduce": "multi-rank bucket all-reduce",
+        "zenflow": "ZenFlow",
+    },
+}
+
+# A not-yet-implemented key is accepted at exactly one value: the one that asks for what
+# zero-core already does (DeepSpeed's default, the feature off). Any other value is refused.
+NEUTRAL_VALUES: dict[str, Any] = {
+    "fp16.auto_cast": False,
+    "fp16.fp16_master_weights_and_grads": False,
+    "bf16.bf16_master_weights_and_grads": False,
+    "bf16.bf16_optimizer_states": False,
+    "optimizer.params.amsgrad": False,
+    "prescale_gradients": False,
+    "gradient_predivide_factor": 1.0,
+    "gradient_allreduce_op": "mean",
+    "sparse_gradients": False,
+    "memory_breakdown": False,
+    "dump_state": False,
+    "zero_optimization.allgather_partitions": True,
+    "zero_optimization.round_robin_gradients": False,
+    "zero_optimization.cpu_offload": False,
+    "zero_optimization.elastic_checkpoint": False,
+    "zero_optimization.compute_grad_norm": True,
+    "zero_optimization.parameter_alignment": False,
+}
+# Whole sections with an "enabled" switch: {"enabled": false, ...} asks for nothing.
+_SWITCHABLE_SECTIONS = frozenset({
+    "torch_autocast", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
+    "comms_logger", "elasticity", "autotuning", "hybrid_engine", "expert_parallel", "amp",
+    "eigenvalue", "progressive_layer_drop", "curriculum_learning", "nebula",
+})
+
+OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD")
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+_OPTIMIZERS_NOT_YET = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Muon", "Adagrad",
+                       "Lion", "FusedAdam", "CPUAdam", "Adafactor", "RMSprop")
+_SCHEDULERS_NOT_YET = ("LRRangeTest", "OneCycle")
+
+MAX_ZERO_STAGE = 3  # stages above this are refused as "not implemented yet"

@@ -1,0 +1,253 @@
+"""The typed result of parsing a config: frozen dataclasses, one per section
+(:class:`FP16Config`, :class:`BF16Config`, :class:`OptimizerConfig`, :class:`SchedulerConfig`,
+:class:`ZeroConfig` with its offload sections, :class:`TopologyConfig`,
+:class:`ActivationCheckpointingConfig`) and the whole :class:`Config`, with DeepSpeed's
+defaults and the derived properties the engine reads. They hold values only; validation
+lives in :mod:`zero_core.config.parser` and the key reference in :mod:`zero_core.config.keys`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Config", "FP16Config", "BF16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig",
+    "OffloadOptimizerConfig", "OffloadParamConfig", "TopologyConfig",
+    "ActivationCheckpointingConfig",
+]
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    """fp16 mixed precision. ``loss_scale`` 0 means dynamic scaling (DeepSpeed's meaning)."""
+
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    consecutive_hysteresis: bool = False
+
+    @property
+    def dynamic(self) -> bool:
+        """True when the loss scale adapts to overflows (``loss_scale == 0``)."""
+        return self.loss_scale == 0.0
+
+    @property
+    def initial_scale(self) -> float:
+        """The loss scale of the first step."""
+        return float(2.0 ** self.initial_scale_power) if self.dynamic else self.loss_scale
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    """bfloat16 mixed precision (no loss scaling needed)."""
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer named in the config, with DeepSpeed's parameter names resolved.
+
+    ``adamw_mode`` is True for "AdamW" and, as in DeepSpeed, for "Adam" unless
+    ``adam_w_mode: false`` is given: DeepSpeed's "Adam" decouples weight decay by default.
+    """
+
+    type: str
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adamw_mode: bool = True
+    bias_correction: bool = True
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    torch_adam: bool = False  # accepted for compatibility; zero-core picks its own kernel
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """LR schedule: ``type`` and its ``params`` with every default filled in.
+
+    For WarmupLR, ``params["warmup_max_lr"]`` is None when not given: the optimizer's lr is
+    used (as DeepSpeed does).
+    """
+
+    type: str
+    params: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer``: where fp32 master weights and optimizer
+    states live ("none": on the device; "cpu": host memory; "nvme": files under
+    ``nvme_path``). ``buffer_count`` sub-group buffers bound host memory with nvme."""
+
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+    fast_init: bool = False
+    ratio: float = 1.0
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    """``zero_optimization.offload_param`` (stage 3): where parameter partitions live.
+    With nvme, up to ``max_in_cpu`` partition elements stay in host memory and units are
+    read through ``buffer_count`` staging buffers of ``buffer_size`` elements."""
+
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """ZeRO stage and bucket sizes (in elements, not bytes)."""
+
+    stage: int = 0
+    reduce_bucket_size: int = 5_000_000  # DeepSpeed: 5e8 (see zero_core.config.keys)
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    # stage 3 (elements; DeepSpeed's defaults)
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    # ZeRO++ (stage 3 only; zero_core/zeropp)
+    zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    zero_hpz_partition_size: int = 1
+    zero_quantized_gradients: bool = False
+    # offload (zero_core/offload)
+    sub_group_size: int = 1_000_000_000
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+
+    @property
+    def zeropp_enabled(self) -> bool:
+        """True when any ZeRO++ feature (qwZ, hpZ, qgZ) is switched on."""
+        return (self.zero_quantized_weights or self.zero_quantized_nontrainable_weights
+                or self.zero_hpz_partition_size > 1 or self.zero_quantized_gradients)
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    """Override of ranks per node (None = what the launcher says)."""
+
+    ranks_per_node: int | None = None
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """DeepSpeed's ``activation_checkpointing`` section (ZeRO-R), used by
+    :func:`zero_core.checkpointing.configure`. ``number_checkpoints`` is how many
+    checkpointed calls can hold saved inputs at once (None: not given)."""
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated zero-core configuration (:mod:`zero_core.config.keys` lists every key)."""
+
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    gradient_clipping: float = 0.0
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+    # DeepSpeed's permission for client optimizers under ZeRO. Accepted without effect: the
+    # engine checks a client optimizer itself (element-wise update rules only at stages 1-2).
+    zero_allow_untested_optimizer: bool = False
+    accelerator: str | None = None
+    comm_backend: str | None = None
+    comm_timeout: float | None = None
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig)
+    world_size: int = 1  # the data-parallel world size the batch sizes were resolved for
+
+    @property
+    def precision(self) -> str:
+        """"fp16", "bf16" or "fp32": the dtype of forward/backward compute."""
+        if self.fp16.enabled:
+            return "fp16"
+        if self.bf16.enabled:
+            return "bf16"
+        return "fp32"
+
+    @property
+    def compute_dtype(self):
+        """torch.float16, torch.bfloat16 or torch.float32, following :attr:`precision`."""
+        import torch  # here, so that parsing a config never needs torch
+        dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+        return dtypes[self.precision]
+
+    def to_dict(self) -> dict:
+        """The config as DeepSpeed-style JSON data; ``parse_config`` of it gives back an equal
+        Config (for the same world size)."""
+        out: dict[str, Any] = {
+            "train_batch_size": self.train_batch_size,
+            "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_clipping": self.gradient_clipping,
+            "fp16": dataclasses.asdict(self.fp16),
+            "bf16": dataclasses.asdict(self.bf16),
+            "zero_optimization": dataclasses.asdict(self.zero_optimization),
+            "steps_per_print": self.steps_per_print,
+            "wall_clock_breakdown": self.wall_clock_breakdown,
+            "zero_allow_untested_optimizer": self.zero_allow_untested_optimizer,
+            "accelerator": self.accelerator,
+            "comm_backend": self.comm_backend,
+            "comm_timeout": self.comm_timeout,
+            "topology": dataclasses.asdict(self.topology),
+            "activation_checkpointing": dataclasses.asdict(self.activation_checkpointing),
+        }
+        if self.optimizer is not None:
+            opt = self.optimizer
+            if opt.type == "SGD":
+                params = {"lr": opt.lr, "momentum": opt.momentum, "dampening": opt.dampening,
+                          "weight_decay": opt.weight_decay, "nesterov": opt.nesterov}
+            else:
+                params = {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps,
+                          "weight_decay": opt.weight_decay, "adam_w_mode": opt.adamw_mode,
+                          "bias_correction": opt.bias_correction, "torch_adam": opt.torch_adam}
+            out["optimizer"] = {"type": opt.type, "params": params}
+        if self.scheduler is not None:
+            params = {k: (list(v) if isinstance(v, tuple) else v)
+                      for k, v in self.scheduler.params.items()}
+            out["scheduler"] = {"type": self.scheduler.type, "params": params}
+        return out
+
