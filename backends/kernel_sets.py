@@ -35,7 +35,7 @@ import warnings
 import torch
 
 from zero_core.errors import PluginError
-from zero_core.kernels import KernelSet
+from zero_core.interfaces.kernels import KernelSet
 
 from .accelerators import module_present
 
@@ -109,7 +109,7 @@ def _names(module: str) -> dict:
     return {"adam_step": f"{module}.adam_step", "sgd_step": f"{module}.sgd_step"}
 
 
-# ---- torch's fused optimizer ops, adapted to the kernel signatures of zero_core.kernels ---
+# ---- torch's fused optimizer ops, adapted to the kernel signatures of zero_core.interfaces.kernels ---
 def _checks():
     return importlib.import_module(CHECKS)
 

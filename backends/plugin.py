@@ -5,7 +5,7 @@ Importing this module must not import any vendor library (CUDA, habana_framework
 intel_extension_for_pytorch, mpi4py): those are imported when a backend is checked for
 availability or constructed.
 """
-from zero_core.hookspecs import hookimpl
+from zero_core.interfaces.hookspecs import hookimpl
 
 
 @hookimpl

@@ -76,8 +76,8 @@ def run_rank(args) -> dict:
     from zero_core.backends.comm.mpi import MpiCommunicator
     from zero_core.backends.comm.oneccl import OneCclCommunicator
     from zero_core.backends.comm.torch_dist import GlooCommunicator
-    from zero_core.launch import discover
-    from zero_core.topology import resolve_ranks_per_node
+    from zero_core.runtime.launch import discover
+    from zero_core.runtime.topology import resolve_ranks_per_node
 
     torch.set_num_threads(1)
     launch = discover()
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
             print(results[0].log, file=sys.stderr)
             return 1
     else:
-        from zero_core.launch import discover
+        from zero_core.runtime.launch import discover
         data = run_rank(args)
         if discover().rank != 0:
             return 0

@@ -94,7 +94,7 @@ fi
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 "$py" -c "
 import zero_core, zero_core.backends, zero_core.accel_kernels, zero_core.conformance
-from zero_core import registry
+from zero_core.runtime import registry
 reg = registry.load()
 assert 'cuda' in reg.accelerators and 'nccl' in reg.communicators, (sorted(reg.accelerators), sorted(reg.communicators))
 print('[gpu_check.sh] zero-core', zero_core.__version__, 'from', zero_core.__file__)

@@ -85,7 +85,7 @@ def _torch():
 
 def runtime(ctx: Ctx):
     """zero-core's runtime on ctx.device at world size 1 (initialized on first use)."""
-    from zero_core.runtime import init_distributed
+    from zero_core.runtime.context import init_distributed
     return init_distributed(accelerator=ctx.device, comm_backend=ctx.comm)
 
 
@@ -230,7 +230,7 @@ def check_conformance_preinit(ctx: Ctx) -> dict:
         torch.cuda.set_device(0)
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
     from zero_core.conformance import run_conformance
-    from zero_core.runtime import get_runtime
+    from zero_core.runtime.context import get_runtime
     rep = run_conformance(comm=ctx.comm, accelerator=ctx.device, timeout=60.0, verbose=False)
     numbers, failures = _conformance_numbers(rep.to_json())
     numbers["torch_distributed_backend"] = str(dist.get_backend())
@@ -390,7 +390,7 @@ def check_quant_triton(ctx: Ctx) -> dict:
 
 def _kernel_set(ctx: Ctx):
     """The kernel set the accelerator of ctx.device uses, from the registry."""
-    from zero_core import registry
+    from zero_core.runtime import registry
     reg = registry.load()
     acc = reg.accelerator_class(ctx.device)
     return reg.kernel_set(acc.kernel_set)

@@ -109,8 +109,8 @@ def build_config(args: argparse.Namespace) -> dict:
 
 def _ranks_per_node() -> int:
     """Ranks per (possibly emulated) node: hpZ keeps its secondary partition inside one."""
-    from zero_core.launch import discover
-    from zero_core.topology import resolve_ranks_per_node
+    from zero_core.runtime.launch import discover
+    from zero_core.runtime.topology import resolve_ranks_per_node
     launch = discover()
     return resolve_ranks_per_node(launch.world_size, launch.local_world_size).ranks_per_node
 
@@ -350,5 +350,5 @@ if __name__ == "__main__":
         report(result)
     # Tear down the communicator and torch.distributed before the interpreter exits: a gloo
     # process group still alive at exit can abort the process while Python finalizes.
-    from zero_core.runtime import shutdown
+    from zero_core.runtime.context import shutdown
     shutdown()

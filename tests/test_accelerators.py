@@ -18,7 +18,7 @@ import zlib
 import pytest
 import torch
 
-from zero_core.accelerator import Accelerator
+from zero_core.interfaces.accelerator import Accelerator
 from zero_core.backends import kernel_sets
 from zero_core.backends.accelerators import cpu as cpu_mod
 from zero_core.backends.accelerators import module_present
@@ -28,7 +28,7 @@ from zero_core.backends.accelerators.cuda import CudaAccelerator
 from zero_core.backends.accelerators.hpu import HpuAccelerator
 from zero_core.backends.accelerators.xpu import XpuAccelerator
 from zero_core.errors import PluginError
-from zero_core.launch import LaunchInfo
+from zero_core.runtime.launch import LaunchInfo
 
 ALL = (CpuAccelerator, CudaAccelerator, HpuAccelerator, XpuAccelerator)
 MiB = 1 << 20

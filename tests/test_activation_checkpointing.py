@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from zero_core import checkpointing
-from zero_core.activation_buffers import SlotBuffers
-from zero_core.activation_layout import ALIGN, chunk_bytes, plan, read_all, write_part
-from zero_core.activation_partition import resolve_model_parallel
-from zero_core.communicator import Group
+from zero_core.activation.buffers import SlotBuffers
+from zero_core.activation.layout import ALIGN, chunk_bytes, plan, read_all, write_part
+from zero_core.activation.partition import resolve_model_parallel
+from zero_core.interfaces.communicator import Group
 from zero_core.config import ActivationCheckpointingConfig, parse_config
 from zero_core.errors import ConfigError, ZeroCoreError
 from zero_core.testing import mpirun_path, run_ranks

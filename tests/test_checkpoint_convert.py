@@ -53,7 +53,7 @@ def convert_cli(*args):
 _MEASURE = r"""
 import json, sys
 import safetensors.torch
-from zero_core.convert import convert
+from zero_core.checkpoint.convert import convert
 
 def status(key):
     with open("/proc/self/status") as fh:
@@ -200,8 +200,8 @@ def test_convert_memory_is_about_one_tensor(saved, tmp_path):
 
 
 def test_deepspeed_checkpoints_are_refused_with_the_reason(tmp_path):
-    from zero_core.checkpoint_store import CheckpointError
-    from zero_core.convert import convert
+    from zero_core.checkpoint.store import CheckpointError
+    from zero_core.checkpoint.convert import convert
     tag = tmp_path / "global_step5"
     tag.mkdir()
     (tmp_path / "latest").write_text("global_step5")

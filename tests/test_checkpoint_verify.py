@@ -18,9 +18,9 @@ import struct
 import pytest
 import torch
 
-from zero_core import checkpoint_store as store
-from zero_core.checkpoint_store import CheckpointError
-from zero_core.engine_checkpoint import check_plain
+from zero_core.checkpoint import store
+from zero_core.checkpoint.store import CheckpointError
+from zero_core.checkpoint.engine_state import check_plain
 from zero_core.testing import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "ckpt_train.py")

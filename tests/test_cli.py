@@ -17,7 +17,9 @@ import pluggy
 import pytest
 import torch
 
-from zero_core import cli, registry
+from zero_core import cli
+
+from zero_core.runtime import registry
 from zero_core.backends.accelerators import module_present
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",

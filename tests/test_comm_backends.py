@@ -17,7 +17,7 @@ from zero_core.backends.comm.mpi import MpiCommunicator
 from zero_core.backends.comm.torch_dist import (CclCommunicator, GlooCommunicator,
                                                 HcclCommunicator, NcclCommunicator,
                                                 XcclCommunicator)
-from zero_core.communicator import Group
+from zero_core.interfaces.communicator import Group
 from zero_core.errors import CommError
 from zero_core.testing import run_ranks
 

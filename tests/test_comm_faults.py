@@ -108,11 +108,11 @@ _BLOCK_MPI4PY = """
 import sys
 sys.modules["mpi4py"] = None          # as if mpi4py were not installed
 sys.modules["mpi4py.MPI"] = None
-from zero_core import registry
+from zero_core.runtime import registry
 from zero_core.backends.comm.mpi import MpiCommunicator
 from zero_core.errors import BackendUnavailable
-from zero_core.launch import LaunchInfo
-from zero_core.topology import Topology
+from zero_core.runtime.launch import LaunchInfo
+from zero_core.runtime.topology import Topology
 ok, why = MpiCommunicator.availability()
 print("AVAILABLE", ok, why)
 try:

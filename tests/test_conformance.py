@@ -116,7 +116,7 @@ BROKEN_PLUGIN = '''
 """A gloo communicator with three planted bugs and one declared gap."""
 import torch
 from zero_core.backends.comm.torch_dist import GlooCommunicator
-from zero_core.hookspecs import hookimpl
+from zero_core.interfaces.hookspecs import hookimpl
 
 
 class BrokenGloo(GlooCommunicator):
@@ -255,7 +255,7 @@ def test_inputs_are_reproducible_and_distinct():
 
 
 def test_suite_restates_the_ledger_table():
-    from zero_core.ledger import sent_bytes
+    from zero_core.interfaces.ledger import sent_bytes
     for op in ("all_gather_into", "reduce_scatter", "all_reduce", "all_to_all_single",
                "broadcast", "barrier"):
         for n in (1, 2, 3, 4):

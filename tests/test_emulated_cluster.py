@@ -36,11 +36,11 @@ def _rank_main(argv: list[str]) -> None:
     ``hang``: every rank sleeps (to be killed at the timeout)."""
     import torch
 
-    from zero_core import registry
-    from zero_core.launch import discover
-    from zero_core.runtime import comm_timeout
+    from zero_core.runtime import registry
+    from zero_core.runtime.launch import discover
+    from zero_core.runtime.context import comm_timeout
     from zero_core.testing import report
-    from zero_core.topology import resolve_ranks_per_node
+    from zero_core.runtime.topology import resolve_ranks_per_node
 
     mode = argv[0]
     if mode == "hang":

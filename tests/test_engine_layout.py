@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from zero_core.errors import ConfigError
-from zero_core.flat_buffer import FlatBuffer
+from zero_core.partitioning.flat_buffer import FlatBuffer
 from zero_core.memory import (MemoryLedger, comm_bytes_per_step, model_state_breakdown,
                               model_state_bytes, optimizer_k)
-from zero_core.optimizer_spec import (collect_param_groups, rule_from_config,
+from zero_core.optim.rules import (collect_param_groups, rule_from_config,
                                       rule_from_torch_optimizer)
-from zero_core.partition import bucket_size_for, padding_bound, plan_group_layout
+from zero_core.partitioning.layout import bucket_size_for, padding_bound, plan_group_layout
 
 
 @pytest.mark.parametrize("seed", range(20))

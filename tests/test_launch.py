@@ -1,8 +1,8 @@
-"""Launch discovery (zero_core.launch) on the environment each launcher really exports."""
+"""Launch discovery (zero_core.runtime.launch) on the environment each launcher really exports."""
 import pytest
 
 from zero_core.errors import ConfigError
-from zero_core.launch import LaunchInfo, discover
+from zero_core.runtime.launch import LaunchInfo, discover
 
 
 def info(rank, world, local_rank, local_world, launcher):

@@ -1,4 +1,4 @@
-"""The communication ledger (zero_core.ledger): the sent-bytes table, totals, differences,
+"""The communication ledger (zero_core.interfaces.ledger): the sent-bytes table, totals, differences,
 and the recording done by the Communicator base class (with an in-process fake backend)."""
 import threading
 from fractions import Fraction
@@ -6,11 +6,11 @@ from fractions import Fraction
 import pytest
 import torch
 
-from zero_core.communicator import Communicator, Group, Handle
+from zero_core.interfaces.communicator import Communicator, Group, Handle
 from zero_core.errors import CommError
-from zero_core.launch import LaunchInfo
-from zero_core.ledger import CommLedger, LedgerEntry, sent_bytes
-from zero_core.topology import Topology
+from zero_core.runtime.launch import LaunchInfo
+from zero_core.interfaces.ledger import CommLedger, LedgerEntry, sent_bytes
+from zero_core.runtime.topology import Topology
 
 OPS = ("all_gather_into", "reduce_scatter", "all_reduce", "all_to_all_single", "broadcast", "barrier")
 

@@ -9,7 +9,7 @@ import torch
 
 from zero_core.config import parse_config
 from zero_core.errors import ConfigError
-from zero_core.loss_scaler import (DynamicLossScaler, LossScaleUnderflowError, StaticLossScaler,
+from zero_core.optim.loss_scaler import (DynamicLossScaler, LossScaleUnderflowError, StaticLossScaler,
                                    build_loss_scaler, has_overflow, overflow_flag)
 
 G, O = False, True  # a good step, an overflowed step

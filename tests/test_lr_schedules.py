@@ -8,7 +8,7 @@ import torch
 
 from zero_core.config import parse_config
 from zero_core.errors import ConfigError
-from zero_core.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from zero_core.optim.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 
 def warm(it, steps, kind):

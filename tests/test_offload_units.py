@@ -16,7 +16,7 @@ from zero_core.offload import OffloadError
 from zero_core.offload.nvme import NvmeStateStore
 from zero_core.offload.subgroups import QUANTUM, pieces, plan_subgroups, subgroup_bounds
 from zero_core.offload.swap_file import ALIGN, SwapFile, aligned_empty
-from zero_core.partition import plan_group_layout
+from zero_core.partitioning.layout import plan_group_layout
 
 
 # ---- sub-groups ------------------------------------------------------------------------------

@@ -22,9 +22,9 @@ import torch
 from zero_core.backends.comm import oneccl
 from zero_core.backends.comm.oneccl import LIBRARY_INSTALL, OneCclCommunicator, elf_needed
 from zero_core.errors import BackendUnavailable
-from zero_core.launch import LaunchInfo
+from zero_core.runtime.launch import LaunchInfo
 from zero_core.testing import mpirun_path, run_ranks
-from zero_core.topology import resolve_ranks_per_node
+from zero_core.runtime.topology import resolve_ranks_per_node
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "oneccl_checks.py")
 #: the variables availability() reads; cleared so that the machine's own do not interfere
@@ -181,7 +181,7 @@ def test_constructor_refuses_with_the_same_words(lookup):
 
 
 def test_registered_as_a_builtin_with_its_dtypes():
-    from zero_core import registry
+    from zero_core.runtime import registry
     reg = registry.load(refresh=True)
     assert reg.communicators["oneccl"].obj is OneCclCommunicator
     assert reg.communicators["oneccl"].plugin == "builtin"

@@ -79,7 +79,7 @@ def duplicate_dir(tmp_path_factory) -> Path:
     return _fake_distribution(
         tmp_path_factory.mktemp("duplicate"), "zero-core-copycat-plugin", "copycat",
         "zero_core_copycat_plugin", """
-        from zero_core.hookspecs import hookimpl
+        from zero_core.interfaces.hookspecs import hookimpl
         from zero_core.backends.accelerators.cpu import CpuAccelerator
 
         class Copycat(CpuAccelerator):
@@ -107,7 +107,7 @@ def _json(proc: subprocess.CompletedProcess):
 
 DESCRIBE_REGISTRY = """
     import json
-    from zero_core import registry
+    from zero_core.runtime import registry
     reg = registry.load()
     print(json.dumps({
         "accelerators": {n: [c.package, c.plugin, c.obj.__module__] for n, c in reg.accelerators.items()},
@@ -148,8 +148,8 @@ def test_report_lists_the_plugin_with_its_package(plugin_dir):
 
 SELECT = """
     import json, sys
-    from zero_core import registry
-    from zero_core.launch import discover
+    from zero_core.runtime import registry
+    from zero_core.runtime.launch import discover
     reg = registry.load()
     explicit = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else None
     acc = reg.accelerator_class(explicit)
@@ -180,7 +180,7 @@ def test_plugin_accelerator_brings_its_default_communicator(plugin_dir):
 
 def test_plugin_never_wins_auto_detection_over_builtin_cpu(plugin_dir):
     # priority -10 < cpu's 0: auto-detection keeps the built-in CPU accelerator
-    code = ("import json; from zero_core import registry; "
+    code = ("import json; from zero_core.runtime import registry; "
             "print(json.dumps(registry.load().accelerator_class().name))")
     assert _json(_run(code, plugin_dir)) == "cpu"
 
@@ -238,7 +238,7 @@ e["all_to_all_single"] = err(y, torch.cat([data(i, n * k, 6)[r * k:(r + 1) * k] 
 comm.barrier()
 out["ledger_calls"] = {op: d["calls"] for op, d in comm.ledger.snapshot()["ops"].items()}
 report(out)
-zero_core.runtime.shutdown()
+zero_core.runtime.context.shutdown()
 """
 
 

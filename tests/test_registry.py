@@ -15,12 +15,12 @@ import types
 import pytest
 import torch
 
-from zero_core import registry
-from zero_core.accelerator import Accelerator
+from zero_core.runtime import registry
+from zero_core.interfaces.accelerator import Accelerator
 from zero_core.backends.accelerators.cpu import CpuAccelerator
-from zero_core.communicator import Communicator
+from zero_core.interfaces.communicator import Communicator
 from zero_core.errors import BackendUnavailable, PluginError
-from zero_core.hookspecs import hookimpl
+from zero_core.interfaces.hookspecs import hookimpl
 
 
 def _accelerator(name, priority, available=True, why=""):
@@ -163,7 +163,7 @@ def test_unknown_kernel_set_lists_the_registered_ones(clean_env):
 def test_loading_the_registry_imports_no_vendor_library_and_initializes_nothing():
     code = """
 import json, sys
-from zero_core import registry
+from zero_core.runtime import registry
 reg = registry.load()
 for cls in reg.accelerators.values():
     cls.obj.availability()

@@ -11,12 +11,14 @@ import types
 import pytest
 import torch.distributed as dist
 
-from zero_core import registry, runtime
-from zero_core.accelerator import Accelerator
-from zero_core.communicator import Communicator, Group, Handle
+from zero_core.runtime import registry
+
+from zero_core.runtime import context as runtime
+from zero_core.interfaces.accelerator import Accelerator
+from zero_core.interfaces.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable, ConfigError, PluginError
-from zero_core.hookspecs import hookimpl
-from zero_core.kernels import KernelSet
+from zero_core.interfaces.hookspecs import hookimpl
+from zero_core.interfaces.kernels import KernelSet
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
                "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "SLURM_PROCID",

@@ -1,10 +1,10 @@
-"""Topology (zero_core.topology): node-major placement and the ranks-per-node override."""
+"""Topology (zero_core.runtime.topology): node-major placement and the ranks-per-node override."""
 import itertools
 
 import pytest
 
 from zero_core.errors import ConfigError
-from zero_core.topology import Topology, resolve_ranks_per_node
+from zero_core.runtime.topology import Topology, resolve_ranks_per_node
 
 
 @pytest.fixture(autouse=True)

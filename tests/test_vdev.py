@@ -132,7 +132,7 @@ def test_memory_limit_gives_an_out_of_memory_error():
 
 
 def test_the_accelerator_and_kernels_reach_zero_core_through_the_entry_point():
-    from zero_core import registry
+    from zero_core.runtime import registry
     reg = registry.load(refresh=True)
     contrib = reg.accelerators["vdev"]
     assert contrib.package == "zero-core-vdev"
@@ -144,7 +144,7 @@ def test_the_accelerator_and_kernels_reach_zero_core_through_the_entry_point():
 
 
 def test_vdev_kernels_refuse_host_buffers_and_match_the_cpu_kernels():
-    from zero_core import registry
+    from zero_core.runtime import registry
     from zero_core.accel_kernels import optim_cpu, quant_cpu
     ks = registry.load().kernel_set("vdev")
     torch.manual_seed(1)
@@ -180,7 +180,7 @@ def test_swap_files_refuse_device_buffers_by_name(tmp_path):
 
 
 def test_asking_for_vdev_without_the_plugin_says_how_to_install_it():
-    from zero_core import registry
+    from zero_core.runtime import registry
     from zero_core.errors import PluginError
     reg = registry.load(refresh=True)
     saved = reg.accelerators.pop("vdev")

@@ -10,9 +10,18 @@ Public API (DeepSpeed-compatible names)::
     with zero_core.GatheredParameters(params, modifier_rank=0):
         ...                                    # read/modify full parameters
 """
-__version__ = "0.1.0"
+from zero_core.version import __version__  # noqa: F401
 
-from .runtime import get_runtime, init_distributed  # noqa: E402,F401
-from .engine import ZeroEngine, initialize  # noqa: E402,F401
-from .stage3 import (GatheredParameters, Init, ParameterNotGatheredError,  # noqa: E402,F401
-                     register_external_parameter, unregister_external_parameter)
+import sys as _sys  # noqa: E402
+
+from zero_core.activation import checkpointing  # noqa: E402,F401
+from zero_core.factory import initialize  # noqa: E402,F401
+from zero_core.runtime.context import get_runtime, init_distributed  # noqa: E402,F401
+from zero_core.stage0to2.engine import ZeroEngine  # noqa: E402,F401
+from zero_core.stage3 import (GatheredParameters, Init, ParameterNotGatheredError,  # noqa: E402,F401
+                              register_external_parameter, unregister_external_parameter)
+
+# ``zero_core.checkpointing`` is DeepSpeed's ``deepspeed.checkpointing``: public under that
+# name, implemented in activation/ with the rest of ZeRO-R. Registered so that
+# ``import zero_core.checkpointing`` finds the same module object (one state, one API).
+_sys.modules[__name__ + ".checkpointing"] = checkpointing

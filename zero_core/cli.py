@@ -22,8 +22,8 @@ import platform
 import subprocess
 import sys
 
-from . import __version__
-from .errors import ZeroCoreError
+from zero_core.version import __version__
+from zero_core.errors import ZeroCoreError
 
 NOT_INSTALLED = "not installed"
 
@@ -65,7 +65,7 @@ def _dist_version(names) -> str | None:
 def mpi_library_version(timeout: float = 30.0) -> str:
     """The MPI library's own version string (e.g. "Open MPI v5.0.11, ..."), read in a child
     process so that MPI is never initialized here."""
-    from .backends.accelerators import module_present
+    from zero_core.backends.accelerators import module_present
     if not module_present("mpi4py"):
         return NOT_INSTALLED
     try:
@@ -81,7 +81,7 @@ def mpi_library_version(timeout: float = 30.0) -> str:
 
 def versions() -> dict:
     """Versions of zero-core, Python and every library zero-core may use (strings)."""
-    from .backends.accelerators import module_present
+    from zero_core.backends.accelerators import module_present
     result = {"zero-core": __version__,
               "python": f"{platform.python_version()} ({sys.executable})"}
     for label, names in _DISTRIBUTIONS.items():
@@ -95,13 +95,13 @@ def versions() -> dict:
         builds.append(f"ROCm {torch.version.hip}")
     result["torch"] = f"{torch.__version__} ({', '.join(builds) or 'no CUDA/ROCm'})"
     result["MPI library"] = mpi_library_version()
-    from .testing import mpirun_path
+    from zero_core.testing import mpirun_path
     result["mpirun"] = mpirun_path() or "not found"
     return result
 
 
 def _launch_facts() -> tuple[object, dict]:
-    from .launch import discover
+    from zero_core.runtime.launch import discover
     try:
         launch = discover()
     except ValueError as exc:
@@ -211,7 +211,7 @@ def explain_selection(reg, launch, accelerator=None, comm=None, config_path=None
 
 def collect_report(accelerator=None, comm=None, config_path=None) -> dict:
     """Everything ``zero-core report`` shows, as plain JSON-serializable data."""
-    from . import registry
+    from zero_core.runtime import registry
     launch, launch_facts = _launch_facts()
     report = {"versions": versions(), "launch": launch_facts}
     try:
@@ -332,7 +332,7 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    from .convert import convert
+    from zero_core.checkpoint.convert import convert
     try:
         summary = convert(args.checkpoint_dir, args.out, tag=args.tag, dtype=args.dtype,
                           optimizer_states=args.optimizer_states, progress=not args.quiet)

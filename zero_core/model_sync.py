@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .communicator import Communicator
-from .errors import ZeroCoreError
+from zero_core.interfaces.communicator import Communicator
+from zero_core.errors import ZeroCoreError
 
 
 def broadcast_buffers(module: torch.nn.Module, comm: Communicator) -> None:

@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from .rendezvous import free_port
+from zero_core.runtime.rendezvous import free_port
 
 LAUNCHERS = ("mpirun", "torchrun")
 
@@ -171,7 +171,7 @@ def report(obj) -> None:
     if not out_dir:
         print(json.dumps(obj))
         return
-    from .launch import discover
+    from zero_core.runtime.launch import discover
     rank = discover().rank
     tmp = os.path.join(out_dir, f".rank{rank}.json.tmp")
     with open(tmp, "w") as fh:

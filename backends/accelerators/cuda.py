@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from zero_core.accelerator import Accelerator
+from zero_core.interfaces.accelerator import Accelerator
 
 from . import torch_build
 

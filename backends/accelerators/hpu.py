@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from zero_core.accelerator import Accelerator
+from zero_core.interfaces.accelerator import Accelerator
 
 from . import module_present
 

@@ -50,9 +50,9 @@ from typing import Any, Callable
 
 import torch
 
-from zero_core.communicator import Communicator, Group, Handle
+from zero_core.interfaces.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable, CommError
-from zero_core.rendezvous import MPI_INSTALL_HINT, import_mpi
+from zero_core.runtime.rendezvous import MPI_INSTALL_HINT, import_mpi
 
 from . import (LOW_PRECISION_FLOATS, CallThread, ScratchPool, destroy_torch_distributed_at_exit,
                reduce_rows_into, refuse_integer_average, wait_future)

@@ -3,7 +3,7 @@ xccl (Intel).
 
 One base class, :class:`TorchDistCommunicator`, maps the zero-core collectives onto
 torch.distributed with ``async_op=True`` and wraps the returned ``Work`` objects in a
-:class:`~zero_core.communicator.Handle`. Subclasses only name the backend, the device
+:class:`~zero_core.interfaces.communicator.Handle`. Subclasses only name the backend, the device
 types, the vendor module that registers the backend and how to check for the device.
 
 Timeouts: ``Work.wait(timeout)`` on gloo raises ``RuntimeError("Operation timed out!")``
@@ -39,9 +39,9 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from zero_core.communicator import Communicator, Group, Handle
+from zero_core.interfaces.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable, CommError
-from zero_core.runtime import init_torch_distributed
+from zero_core.runtime.context import init_torch_distributed
 
 from . import (ScratchPool, destroy_torch_distributed_at_exit, reduce_rows_into,
                refuse_integer_average)
@@ -206,7 +206,7 @@ class TorchDistCommunicator(Communicator):
         return _dist().new_group(ranks=list(ranks), backend=self.backend, timeout=self._timedelta())
 
     def shutdown(self) -> None:
-        """torch.distributed itself is torn down by zero_core.runtime.shutdown()."""
+        """torch.distributed itself is torn down by zero_core.runtime.context.shutdown()."""
 
     # ---- collectives -------------------------------------------------------------------
     def _all_gather_into(self, output, input, group) -> Handle:

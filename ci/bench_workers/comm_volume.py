@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from zero_core.runtime import init_distributed, shutdown
+from zero_core.runtime.context import init_distributed, shutdown
 from zero_core.testing import report
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 from gpt import build_model, lm_loss  # noqa: E402
 from text_data import GlobalBatchSampler, load_stdlib_text  # noqa: E402
 
-from zero_core.launch import discover  # noqa: E402
+from zero_core.runtime.launch import discover  # noqa: E402
 from zero_core.testing import report  # noqa: E402
 
 # identical hyper-parameters for every contender
@@ -200,7 +200,7 @@ def main() -> None:
     # abort the process ("terminate called without an active exception") while Python
     # finalizes, which would fail a job that has already reported.
     if args.contender == "zero_core":
-        from zero_core.runtime import shutdown
+        from zero_core.runtime.context import shutdown
         shutdown()
     elif dist.is_initialized():
         dist.barrier()

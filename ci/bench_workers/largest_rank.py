@@ -38,7 +38,7 @@ sys.path.insert(0, HERE)
 import contender as cw  # noqa: E402  (the stage 0-2 worker: AdamW settings, step adapters)
 from gpt import GPT, GPTConfig, lm_loss  # noqa: E402  (examples/ is on the path via contender)
 
-from zero_core.launch import discover  # noqa: E402
+from zero_core.runtime.launch import discover  # noqa: E402
 from zero_core.testing import report  # noqa: E402
 
 OOM_EXIT = 3
@@ -174,7 +174,7 @@ def train(a, launch) -> dict:
 
 def teardown(contender: str) -> None:
     if contender == "zero_core":
-        from zero_core.runtime import shutdown
+        from zero_core.runtime.context import shutdown
         shutdown()
     elif dist.is_initialized():
         dist.barrier()

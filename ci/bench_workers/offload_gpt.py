@@ -128,7 +128,7 @@ def main():
             report({"ok": False, "why": f"out of memory: {type(exc).__name__}: {str(exc)[:200]}"})
             os._exit(4)
         raise
-    zero_core.runtime.shutdown()
+    zero_core.runtime.context.shutdown()
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import zero_core  # noqa: E402
 from comm_volume import link_tx_bytes  # noqa: E402
 from gpt import build_model, lm_loss  # noqa: E402
 from text_data import GlobalBatchSampler, load_stdlib_text  # noqa: E402
-from zero_core.runtime import shutdown  # noqa: E402
+from zero_core.runtime.context import shutdown  # noqa: E402
 from zero_core.testing import report  # noqa: E402
 
 VARIANTS = ("stage3", "stage3-zeropp", "deepspeed-3")

@@ -47,7 +47,7 @@ From Python (on every rank)::
     assert report.ok, report.table()
 
 The suite coordinates ranks (shared seed, result gathering, timing checks) over
-torch.distributed, which ``zero_core.runtime.init_distributed`` always sets up beside the
+torch.distributed, which ``zero_core.runtime.context.init_distributed`` always sets up beside the
 communicator, so a broken communicator cannot hide its own failures.
 """
 from .cli import main

@@ -1,4 +1,4 @@
-"""Checks of an :class:`~zero_core.accelerator.Accelerator` (local to each rank)."""
+"""Checks of an :class:`~zero_core.interfaces.accelerator.Accelerator` (local to each rank)."""
 from __future__ import annotations
 
 import torch

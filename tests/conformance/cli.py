@@ -32,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     """Run the suite on this rank; 0 when every check passed (or is declared unsupported)."""
-    from zero_core import runtime
+    from zero_core.runtime import context as runtime
     from zero_core.testing import report as report_to_launcher
 
     args = parse_args(argv)

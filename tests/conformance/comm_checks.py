@@ -1,4 +1,4 @@
-"""Checks of a :class:`~zero_core.communicator.Communicator`, run on every rank at once.
+"""Checks of a :class:`~zero_core.interfaces.communicator.Communicator`, run on every rank at once.
 
 Every rank calls the same checks in the same order (the collectives inside them must
 match up). Values are compared with references each rank computes from every rank's
@@ -13,7 +13,7 @@ import time
 import torch
 
 from zero_core.errors import CommError
-from zero_core.ledger import CommLedger
+from zero_core.interfaces.ledger import CommLedger
 
 from .data import (DTYPES, compare_exact, compare_reduction, expected_sent_bytes, rank_input)
 from .results import Check, NotApplicable, Recorder, Unsupported

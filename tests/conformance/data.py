@@ -100,7 +100,7 @@ def compare_exact(got: torch.Tensor, want: torch.Tensor) -> str | None:
             f"{got.view(-1)[i].item()}, expected {want.view(-1)[i].item()}")
 
 
-# ---- the ledger's table, restated independently of zero_core.ledger ---------------------
+# ---- the ledger's table, restated independently of zero_core.interfaces.ledger ---------------------
 def expected_sent_bytes(op: str, n: int, payload: int, is_source: bool) -> int:
     """Bytes a rank sends under the table of zero_core/ledger.py (floored to whole bytes)."""
     if n <= 1:

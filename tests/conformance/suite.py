@@ -89,7 +89,7 @@ def gather_results(local: list[CheckResult]) -> list[list[dict]]:
 def load_plugins(modules) -> None:
     """Register plugin modules given by import name, on top of the installed entry points
     (to test a plugin before it is packaged)."""
-    from zero_core import registry
+    from zero_core.runtime import registry
     mods = [importlib.import_module(m) if isinstance(m, str) else m for m in modules]
     if mods:
         # registry.load() does not cache a view with in-process extras (tests use those
@@ -111,8 +111,8 @@ def run_conformance(comm: str | None = None, accelerator: str | None = None, *,
     substrings of check names to run (default: all). Prints the table on rank 0 when
     *verbose*; returns the merged report (``report.ok`` is the verdict).
     """
-    from zero_core import registry
-    from zero_core.runtime import init_distributed
+    from zero_core.runtime import registry
+    from zero_core.runtime.context import init_distributed
 
     load_plugins(plugins)
     rt = init_distributed(accelerator=accelerator, comm_backend=comm, timeout=timeout,

@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 
 import zero_core
-from zero_core import checkpointing, runtime
+from zero_core import checkpointing
+from zero_core.runtime import context as runtime
 from zero_core.errors import ConfigError
-from zero_core.ledger import CommLedger
+from zero_core.interfaces.ledger import CommLedger
 from zero_core.testing import report
 
 B, T, H, FF, LAYERS, STEPS, KEEP = 4, 4, 16, 24, 2, 2, 0.75

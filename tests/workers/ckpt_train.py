@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 
 import zero_core
-from zero_core import checkpoint_store
-from zero_core.checkpoint_store import CheckpointError
+from zero_core.checkpoint import store as checkpoint_store
+from zero_core.checkpoint.store import CheckpointError
 from zero_core.testing import report
 
 VOCAB, DIM, SEQ, MICRO, GAS = 32, 16, 6, 2, 2
@@ -372,7 +372,7 @@ def main():
     for action, *args in tasks:
         results.append(ACTIONS[action](*args))
     report(results)
-    zero_core.runtime.shutdown()
+    zero_core.runtime.context.shutdown()
 
 
 if __name__ == "__main__":

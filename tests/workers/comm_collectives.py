@@ -12,11 +12,11 @@ import sys
 
 import torch
 
-from zero_core import registry
-from zero_core.launch import discover
-from zero_core.runtime import comm_timeout
+from zero_core.runtime import registry
+from zero_core.runtime.launch import discover
+from zero_core.runtime.context import comm_timeout
 from zero_core.testing import report
-from zero_core.topology import resolve_ranks_per_node
+from zero_core.runtime.topology import resolve_ranks_per_node
 
 BACKEND, SEED = sys.argv[1], int(sys.argv[2])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.float64,

@@ -1,6 +1,6 @@
 """Rank program: the runtime under mpirun with MASTER_ADDR / MASTER_PORT unset.
 
-Usage: ``comm_runtime.py BACKEND``. Calls ``zero_core.runtime.init_distributed`` with the
+Usage: ``comm_runtime.py BACKEND``. Calls ``zero_core.runtime.context.init_distributed`` with the
 CPU accelerator and communicator BACKEND, then checks that torch.distributed is usable
 next to the communicator — even with a communicator collective in flight.
 """
@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from zero_core import runtime
+from zero_core.runtime import context as runtime
 from zero_core.testing import report
 
 BACKEND = sys.argv[1]

@@ -30,7 +30,7 @@ import torch
 
 import zero_core
 from zero_core import checkpointing, device_audit
-from zero_core.runtime import shutdown
+from zero_core.runtime.context import shutdown
 from zero_core.testing import report
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -261,7 +261,7 @@ def main():
     out = {name: SCENARIOS[name]() for name in names}
     report(out)
     launched_by_mpi = zero_core.get_runtime().launch.is_mpi
-    zero_core.runtime.shutdown()
+    zero_core.runtime.context.shutdown()
     if not launched_by_mpi:
         # torch's gloo process group sometimes aborts during interpreter teardown after
         # async all-to-alls ("terminate called without an active exception"; reproduced

@@ -178,7 +178,7 @@ def main():
         fn = {"train": task_train, "resume": task_resume, "memory": task_memory}[action]
         out.append(fn(scratch, *args))
     report(out)
-    zero_core.runtime.shutdown()
+    zero_core.runtime.context.shutdown()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from zero_core import runtime
+from zero_core.runtime import context as runtime
 from zero_core.conformance import run_conformance
 from zero_core.testing import report
 

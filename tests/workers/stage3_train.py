@@ -473,7 +473,7 @@ def main():
         else:
             out[name] = SCENARIOS[name]()
     report(out)
-    zero_core.runtime.shutdown()
+    zero_core.runtime.context.shutdown()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from zero_core.runtime import get_runtime, init_distributed, shutdown
+from zero_core.runtime.context import get_runtime, init_distributed, shutdown
 from zero_core.stage3.units import FetchUnit
 from zero_core.testing import report
 from zero_core.zeropp.fetch import UnitFetch

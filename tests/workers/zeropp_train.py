@@ -114,7 +114,7 @@ def main():
     if "converge" in scenarios:
         val = validation_batches(text.val, SEQ, 16)
         out["converge"] = converge_scenario(text.train, val, steps)
-    from zero_core.runtime import get_runtime, shutdown
+    from zero_core.runtime.context import get_runtime, shutdown
     rt = get_runtime()
     out["rank"], out["world_size"] = rt.rank, rt.world_size
     out["ranks_per_node"] = rt.topology.ranks_per_node

@@ -24,4 +24,4 @@ How the engines use it: ``ZeroEngine`` builds :class:`OffloadedOptimizer` instea
 ``"none"``; the stage-3 engine asks :func:`zero_core.offload.params.build_param_offload`
 for its group buffers and for the gatherer's partition source.
 """
-from .errors import OffloadError  # noqa: F401
+from zero_core.offload.errors import OffloadError  # noqa: F401

@@ -22,7 +22,7 @@ import signal
 import socket
 import threading
 
-from .errors import OffloadError, io_failure
+from zero_core.offload.errors import OffloadError, io_failure
 
 PREFIX = "zero_core_offload."
 _lock = threading.Lock()

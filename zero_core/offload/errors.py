@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import errno
 
-from ..errors import ZeroCoreError
+from zero_core.errors import ZeroCoreError
 
 
 class OffloadError(ZeroCoreError):

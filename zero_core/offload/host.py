@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ..flat_buffer import FlatBuffer
-from ..partition import GroupLayout
-from .subgroups import SubGroup
+from zero_core.partitioning.flat_buffer import FlatBuffer
+from zero_core.partitioning.layout import GroupLayout
+from zero_core.offload.subgroups import SubGroup
 
 
 class HostStateStore:

@@ -34,12 +34,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..flat_buffer import FlatBuffer
-from ..partition import GroupLayout
-from .cleanup import unique_prefix
-from .errors import OffloadError
-from .subgroups import SubGroup
-from .swap_file import SwapFile, aligned_empty
+from zero_core.partitioning.flat_buffer import FlatBuffer
+from zero_core.partitioning.layout import GroupLayout
+from zero_core.offload.cleanup import unique_prefix
+from zero_core.offload.errors import OffloadError
+from zero_core.offload.subgroups import SubGroup
+from zero_core.offload.swap_file import SwapFile, aligned_empty
 
 
 class SwappedFlatBuffer(FlatBuffer):

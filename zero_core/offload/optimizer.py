@@ -1,6 +1,6 @@
 """The offloaded optimizer step (ZeRO-Offload / ZeRO-Infinity), stages 1-3.
 
-:class:`OffloadedOptimizer` is the :class:`~zero_core.partitioned_optimizer.PartitionedOptimizer`
+:class:`OffloadedOptimizer` is the :class:`~zero_core.optim.partitioned.PartitionedOptimizer`
 with the fp32 master weights and the optimizer states moved to a store in host memory
 (host.py) or in swap files (nvme.py). It is built by the engine instead of the partitioned
 optimizer when ``zero_optimization.offload_optimizer.device`` is ``cpu`` or ``nvme``.
@@ -32,14 +32,14 @@ from collections import deque
 
 import torch
 
-from .. import registry
-from ..buffer_pool import BufferPool
-from ..errors import ConfigError, ZeroCoreError
-from ..partitioned_optimizer import PartitionedOptimizer
-from .cleanup import rank_directory
-from .host import HostStateStore
-from .nvme import MasterWriteThrough, NvmeStateStore
-from .subgroups import plan_subgroups
+from zero_core.runtime import registry
+from zero_core.partitioning.buffer_pool import BufferPool
+from zero_core.errors import ConfigError, ZeroCoreError
+from zero_core.optim.partitioned import PartitionedOptimizer
+from zero_core.offload.cleanup import rank_directory
+from zero_core.offload.host import HostStateStore
+from zero_core.offload.nvme import MasterWriteThrough, NvmeStateStore
+from zero_core.offload.subgroups import plan_subgroups
 
 MASTER = "master"
 

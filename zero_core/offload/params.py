@@ -33,13 +33,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..errors import ConfigError
-from ..flat_buffer import FlatBuffer
-from ..partition import alignment_for
-from ..stage3.buffers import Stage3GroupBuffers
-from ..stage3.units import unit_layout
-from .cleanup import rank_directory, unique_prefix
-from .swap_file import SwapFile, aligned_empty
+from zero_core.errors import ConfigError
+from zero_core.partitioning.flat_buffer import FlatBuffer
+from zero_core.partitioning.layout import alignment_for
+from zero_core.stage3.buffers import Stage3GroupBuffers
+from zero_core.stage3.units import unit_layout
+from zero_core.offload.cleanup import rank_directory, unique_prefix
+from zero_core.offload.swap_file import SwapFile, aligned_empty
 
 KEY = "zero_optimization.offload_param"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from ..partition import GroupLayout
+from zero_core.partitioning.layout import GroupLayout
 
 #: sub-group boundaries are multiples of this many elements (4 KiB of fp32)
 QUANTUM = 1024

@@ -28,7 +28,7 @@ import zlib
 import numpy as np
 import torch
 
-from .errors import OffloadError, io_failure
+from zero_core.offload.errors import OffloadError, io_failure
 
 ALIGN = 4096
 HEADER_BYTES = 4096

@@ -12,6 +12,6 @@ Where things are:
 - init_context.py — zero_core.Init and zero_core.GatheredParameters;
 - state_dict.py — consolidated state dict; engine.py — Stage3Engine.
 """
-from .init_context import GatheredParameters, Init  # noqa: F401
-from .module_hooks import register_external_parameter, unregister_external_parameter  # noqa: F401
-from .partitioned_params import ParameterNotGatheredError  # noqa: F401
+from zero_core.stage3.init_context import GatheredParameters, Init  # noqa: F401
+from zero_core.stage3.module_hooks import register_external_parameter, unregister_external_parameter  # noqa: F401
+from zero_core.stage3.partitioned_params import ParameterNotGatheredError  # noqa: F401

@@ -11,7 +11,7 @@ Per group (Ψ_g elements, N ranks, compute dtype c), everything is a partition:
 
 The layout is :func:`~zero_core.stage3.units.unit_layout` (bucket k = unit k), and the
 class answers the same questions as stage 1-2's GroupBuffers (``master_bucket``,
-``reduced_grad_bucket``, ...), so :class:`~zero_core.partitioned_optimizer.PartitionedOptimizer`
+``reduced_grad_bucket``, ...), so :class:`~zero_core.optim.partitioned.PartitionedOptimizer`
 steps stage-3 partitions with the same kernels and loss-scale/clipping factor.
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Callable
 
 import torch
 
-from ..flat_buffer import FlatBuffer
-from ..memory import MemoryLedger
-from ..partition import alignment_for
-from .units import FetchUnit, unit_layout
+from zero_core.partitioning.flat_buffer import FlatBuffer
+from zero_core.memory import MemoryLedger
+from zero_core.partitioning.layout import alignment_for
+from zero_core.stage3.units import FetchUnit, unit_layout
 
 
 class Stage3GroupBuffers:

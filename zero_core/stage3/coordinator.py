@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from .gather import UnitGatherer
-from .prefetch import ExecutionTrace
-from .units import FetchUnit
+from zero_core.stage3.gather import UnitGatherer
+from zero_core.stage3.prefetch import ExecutionTrace
+from zero_core.stage3.units import FetchUnit
 
 
 class ParamCoordinator:

@@ -1,9 +1,9 @@
 """The ZeRO stage-3 engine: the stage 0-2 engine with parameters partitioned too.
 
-What it reuses unchanged from :class:`~zero_core.engine.ZeroEngine`: optimizer-rule
+What it reuses unchanged from :class:`~zero_core.stage0to2.engine.ZeroEngine`: optimizer-rule
 resolution, parameter groups, the loss scaling by ``1/(world_size · accumulation)``, the
 global-norm all-reduce, fp16 overflow skipping and clipping, LR schedulers, and the
-:class:`~zero_core.partitioned_optimizer.PartitionedOptimizer` with its fused kernels
+:class:`~zero_core.optim.partitioned.PartitionedOptimizer` with its fused kernels
 (stage 3 steps the partitions in place; nothing is gathered after the step).
 
 What it replaces: the buffers (every group is partitions only, laid out by fetch unit —
@@ -24,19 +24,19 @@ import os
 
 import torch
 
-from ..errors import ConfigError
-from ..engine import ZeroEngine
-from ..model_sync import broadcast_buffers, check_parameters_match
-from ..placement import move_module, move_parameter, set_data
-from . import partitioned_params as pp
-from .buffers import Stage3GroupBuffers
-from .coordinator import ParamCoordinator
-from .gather import UnitGatherer
-from .grad_reduce import Stage3GradReducer
-from .init_context import gather_own
-from .module_hooks import ModuleHooks
-from .state_dict import consolidated_state_dict
-from .units import FROZEN, coalesce_numel, plan_units
+from zero_core.errors import ConfigError
+from zero_core.stage0to2.engine import ZeroEngine
+from zero_core.model_sync import broadcast_buffers, check_parameters_match
+from zero_core.placement import move_module, move_parameter, set_data
+from zero_core.stage3 import partitioned_params as pp
+from zero_core.stage3.buffers import Stage3GroupBuffers
+from zero_core.stage3.coordinator import ParamCoordinator
+from zero_core.stage3.gather import UnitGatherer
+from zero_core.stage3.grad_reduce import Stage3GradReducer
+from zero_core.stage3.init_context import gather_own
+from zero_core.stage3.module_hooks import ModuleHooks
+from zero_core.stage3.state_dict import consolidated_state_dict
+from zero_core.stage3.units import FROZEN, coalesce_numel, plan_units
 
 log = logging.getLogger("zero_core.stage3")
 
@@ -95,7 +95,7 @@ class Stage3Engine(ZeroEngine):
 
         ledger = self.memory_ledger
         # offload_param (zero_core/offload/params.py): partitions in host memory or files
-        from ..offload.params import build_param_offload
+        from zero_core.offload.params import build_param_offload
         self.param_offload = build_param_offload(self)
         make_buffers = (self.param_offload.group_buffers if self.param_offload is not None
                         else Stage3GroupBuffers)
@@ -118,7 +118,7 @@ class Stage3Engine(ZeroEngine):
             ledger.track("buffers", b)
 
         # ZeRO++ (zero_core/zeropp): how units are gathered and reduced, when configured
-        from ..zeropp import build_zeropp
+        from zero_core.zeropp import build_zeropp
         self.zeropp = build_zeropp(self, units)
         self.gatherer = UnitGatherer(self.comm, dtype, self.device,
                                      strategy=self.zeropp.fetch if self.zeropp else None,
@@ -192,17 +192,17 @@ class Stage3Engine(ZeroEngine):
 
     # ---- checkpoints (save_checkpoint/load_checkpoint are ZeroEngine's) -------------------------
     def _checkpoint_fragments(self, purpose):
-        from ..engine_checkpoint import stage3_fragments
+        from zero_core.checkpoint.engine_state import stage3_fragments
         return stage3_fragments(self, purpose)
 
     def _checkpoint_restored(self):
-        from ..engine_checkpoint import stage3_restored
+        from zero_core.checkpoint.engine_state import stage3_restored
         stage3_restored(self)
         if self.zeropp is not None:
             self.zeropp.partitions_changed()
 
     def _checkpoint_layout(self):
-        from ..engine_checkpoint import stage3_layout
+        from zero_core.checkpoint.engine_state import stage3_layout
         return stage3_layout(self)
 
     # ---- reports -------------------------------------------------------------------------------

@@ -26,9 +26,9 @@ from contextlib import contextmanager
 
 import torch
 
-from ..communicator import Communicator
-from . import partitioned_params as pp
-from .units import FetchUnit
+from zero_core.interfaces.communicator import Communicator
+from zero_core.stage3 import partitioned_params as pp
+from zero_core.stage3.units import FetchUnit
 
 
 class UnitGatherer:

@@ -28,11 +28,11 @@ from collections import deque
 
 import torch
 
-from ..buffer_pool import BufferPool
-from ..communicator import Communicator
-from . import partitioned_params as pp
-from .coordinator import ParamCoordinator
-from .units import FetchUnit
+from zero_core.partitioning.buffer_pool import BufferPool
+from zero_core.interfaces.communicator import Communicator
+from zero_core.stage3 import partitioned_params as pp
+from zero_core.stage3.coordinator import ParamCoordinator
+from zero_core.stage3.units import FetchUnit
 
 
 class Stage3GradReducer:

@@ -41,11 +41,11 @@ import threading
 
 import torch
 
-from ..config import Config, parse_config
-from ..errors import ConfigError, ZeroCoreError
-from ..launch import discover
-from ..partition import alignment_for, round_up
-from . import partitioned_params as pp
+from zero_core.config import Config, parse_config
+from zero_core.errors import ConfigError, ZeroCoreError
+from zero_core.runtime.launch import discover
+from zero_core.partitioning.layout import alignment_for, round_up
+from zero_core.stage3 import partitioned_params as pp
 
 _LOCK = threading.RLock()
 _ACTIVE: list["Init"] = []          # nested Init contexts; the innermost partitions
@@ -219,7 +219,7 @@ class Init:
                 self.partition_module(module)
 
     def _runtime(self):
-        from ..runtime import init_distributed
+        from zero_core.runtime.context import init_distributed
         cfg = self.config
         if cfg is None:
             return init_distributed()
@@ -335,7 +335,7 @@ class GatheredParameters:
         return self
 
     def _comm(self):
-        from ..runtime import get_runtime
+        from zero_core.runtime.context import get_runtime
         return get_runtime().comm
 
     def __exit__(self, exc_type, exc, tb):

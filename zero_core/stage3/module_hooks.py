@@ -21,9 +21,9 @@ import dataclasses
 
 import torch
 
-from .coordinator import ParamCoordinator
-from .saved_views import SavedViews
-from .units import FetchUnit
+from zero_core.stage3.coordinator import ParamCoordinator
+from zero_core.stage3.saved_views import SavedViews
+from zero_core.stage3.units import FetchUnit
 
 EXTERNAL_ATTR = "_zero_core_external_params"
 

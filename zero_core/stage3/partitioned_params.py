@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ZeroCoreError
-from ..placement import set_data
+from zero_core.errors import ZeroCoreError
+from zero_core.placement import set_data
 
 
 class ParameterNotGatheredError(ZeroCoreError):

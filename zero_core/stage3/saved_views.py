@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ZeroCoreError
-from .units import FetchUnit
+from zero_core.errors import ZeroCoreError
+from zero_core.stage3.units import FetchUnit
 
 
 @dataclass(frozen=True)

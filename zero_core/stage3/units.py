@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..partition import GroupLayout, Segment, round_up
+from zero_core.partitioning.layout import GroupLayout, Segment, round_up
 
 #: coalescing target: units grow until they hold this many elements (2**18 elements is
 #: 1 MiB of fp32, enough to amortize a collective's latency on the backends here)

@@ -23,5 +23,5 @@ def build_zeropp(engine, units):
     ZeRO++ key is switched on. Collective (hpZ and qgZ create groups)."""
     if not engine.config.zero_optimization.zeropp_enabled:
         return None
-    from .strategies import ZeroPlusPlus
+    from zero_core.zeropp.strategies import ZeroPlusPlus
     return ZeroPlusPlus(engine, units)

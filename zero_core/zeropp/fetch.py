@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from ..communicator import Communicator
-from .handles import Then
-from .hpz import SecondaryPartitions
-from .qwz import QuantizedGather
+from zero_core.interfaces.communicator import Communicator
+from zero_core.zeropp.handles import Then
+from zero_core.zeropp.hpz import SecondaryPartitions
+from zero_core.zeropp.qwz import QuantizedGather
 
 
 class UnitFetch:

@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from ..communicator import Communicator, Group
+from zero_core.interfaces.communicator import Communicator, Group
 
 log = logging.getLogger("zero_core.zeropp")
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ..communicator import Communicator, Group
-from .handles import Then
-from .wire import QWZ_BITS, QWZ_BLOCK, SlotLayout
+from zero_core.interfaces.communicator import Communicator, Group
+from zero_core.zeropp.handles import Then
+from zero_core.zeropp.wire import QWZ_BITS, QWZ_BLOCK, SlotLayout
 
 
 class QuantizedGather:

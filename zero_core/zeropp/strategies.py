@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import ConfigError
-from .fetch import UnitFetch
-from .hpz import SecondaryPartitions, hpz_group
-from .qgz import TwoHopGradientReduce
-from .qwz import QuantizedGather
+from zero_core.errors import ConfigError
+from zero_core.zeropp.fetch import UnitFetch
+from zero_core.zeropp.hpz import SecondaryPartitions, hpz_group
+from zero_core.zeropp.qgz import TwoHopGradientReduce
+from zero_core.zeropp.qwz import QuantizedGather
 
 log = logging.getLogger("zero_core.zeropp")
 

@@ -22,7 +22,7 @@ the engine's exact layout (padding included).
 """
 from __future__ import annotations
 
-from .wire import QGZ_BITS, QGZ_BLOCK, QWZ_BITS, QWZ_BLOCK, slot_bytes
+from zero_core.zeropp.wire import QGZ_BITS, QGZ_BLOCK, QWZ_BITS, QWZ_BLOCK, slot_bytes
 
 
 def _round_up(n: int, m: int) -> int:

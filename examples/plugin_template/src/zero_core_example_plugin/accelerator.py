@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_core.accelerator import Accelerator
+from zero_core.interfaces.accelerator import Accelerator
 # zero-core's CPU memory helpers (resident set size from /proc, peak reset through
 # /proc/self/clear_refs); a device plugin would call its runtime's memory API instead.
 from zero_core.backends.accelerators.cpu import peak_rss_bytes, reset_peak_rss, rss_bytes

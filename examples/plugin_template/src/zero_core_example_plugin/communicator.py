@@ -4,7 +4,7 @@ zero-core's ``Communicator`` base class does the bookkeeping: it validates argum
 before anything is sent, records every collective in the ledger, and turns a handle's
 failed wait into an error naming the collective and the group. A backend implements
 only the ``_``-prefixed hooks, each starting one collective and returning a
-:class:`~zero_core.communicator.Handle`. Conventions (see zero_core/communicator.py):
+:class:`~zero_core.interfaces.communicator.Handle`. Conventions (see zero_core/communicator.py):
 tensors are flat and contiguous; ``src`` of broadcast is a rank *within the group*;
 creating a group is collective over the whole world.
 """
@@ -15,11 +15,11 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from zero_core.communicator import Communicator, Group, Handle
+from zero_core.interfaces.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable
 # zero-core's rendezvous: initializes torch.distributed through whatever launched us
 # (torchrun, mpirun, Slurm), sharing rank 0's address via MPI when none is set.
-from zero_core.runtime import init_torch_distributed
+from zero_core.runtime.context import init_torch_distributed
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         # gloo has no average: sum, then divide when the collective has finished

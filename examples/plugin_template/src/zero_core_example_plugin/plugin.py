@@ -1,10 +1,10 @@
-"""The hook implementations zero-core calls (see zero_core.hookspecs).
+"""The hook implementations zero-core calls (see zero_core.interfaces.hookspecs).
 
 Each hook returns a list of what this plugin contributes. Import your backends inside
 the hook functions, not at the top: a missing vendor library then shows up as "this
 backend is unavailable because ..." instead of breaking every zero-core start.
 """
-from zero_core.hookspecs import hookimpl
+from zero_core.interfaces.hookspecs import hookimpl
 
 
 @hookimpl
@@ -23,7 +23,7 @@ def zero_core_communicators():
 #
 # @hookimpl
 # def zero_core_kernel_sets():
-#     from zero_core.kernels import KernelSet
+#     from zero_core.interfaces.kernels import KernelSet
 #     from . import kernels
 #     return [KernelSet("example", kernels.adam_step, kernels.sgd_step,
 #                       info={"implementation": "what backs these kernels"})]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_core.accelerator import Accelerator
+from zero_core.interfaces.accelerator import Accelerator
 
 from . import device
 from .device import NAME

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_core.kernels import KernelSet
+from zero_core.interfaces.kernels import KernelSet
 
 from .device import NAME
 

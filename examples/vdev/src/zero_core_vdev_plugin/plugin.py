@@ -3,7 +3,7 @@
 Nothing heavy happens at import: the device runtime is loaded when zero-core asks the
 accelerator whether it is available, i.e. only by jobs that consider vdev.
 """
-from zero_core.hookspecs import hookimpl
+from zero_core.interfaces.hookspecs import hookimpl
 
 
 @hookimpl

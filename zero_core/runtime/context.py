@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import registry as _registry
-from .accelerator import Accelerator
-from .communicator import Communicator
-from .errors import ConfigError
-from .kernels import KernelSet
-from .launch import LaunchInfo, discover
-from .rendezvous import ensure_master_addr
-from .topology import Topology, resolve_ranks_per_node
+from zero_core.runtime import registry as _registry
+from zero_core.interfaces.accelerator import Accelerator
+from zero_core.interfaces.communicator import Communicator
+from zero_core.errors import ConfigError
+from zero_core.interfaces.kernels import KernelSet
+from zero_core.runtime.launch import LaunchInfo, discover
+from zero_core.runtime.rendezvous import ensure_master_addr
+from zero_core.runtime.topology import Topology, resolve_ranks_per_node
 
 DEFAULT_TIMEOUT_S = 300.0
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from zero_core.errors import ConfigError
 
 __all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "build_scheduler", "SCHEDULERS"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from zero_core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,14 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def zero_core_accelerators():
-    """Return a list of :class:`zero_core.accelerator.Accelerator` subclasses."""
+    """Return a list of :class:`zero_core.interfaces.accelerator.Accelerator` subclasses."""
 
 
 @hookspec
 def zero_core_communicators():
-    """Return a list of :class:`zero_core.communicator.Communicator` subclasses."""
+    """Return a list of :class:`zero_core.interfaces.communicator.Communicator` subclasses."""
 
 
 @hookspec
 def zero_core_kernel_sets():
-    """Return a list of :class:`zero_core.kernels.KernelSet` objects."""
+    """Return a list of :class:`zero_core.interfaces.kernels.KernelSet` objects."""

@@ -1,4 +1,4 @@
-"""The ZeRO stage 0–2 training engine and ``initialize`` (DeepSpeed's entry point).
+"""The ZeRO stage 0–2 training engine (built by ``zero_core.initialize``, factory.py).
 
 One optimizer step, at a gradient-accumulation boundary:
 
@@ -18,19 +18,18 @@ import math
 
 import torch
 
-from .config import Config, parse_config
-from .errors import ConfigError, ZeroCoreError
-from .grad_reducer import GradReducer
-from .group_buffers import GroupBuffers
-from .launch import discover
-from .ledger import CommLedger
-from .loss_scaler import build_loss_scaler
-from .memory import MemoryLedger, model_state_breakdown, optimizer_k
-from .model_sync import broadcast_buffers, check_parameters_match
-from .optimizer_spec import collect_param_groups, rule_from_config, rule_from_torch_optimizer
-from .partitioned_optimizer import PartitionedOptimizer
-from .placement import move_module
-from .runtime import Runtime, init_distributed
+from zero_core.config import Config
+from zero_core.errors import ConfigError, ZeroCoreError
+from zero_core.stage0to2.grad_reduce import GradReducer
+from zero_core.stage0to2.buffers import GroupBuffers
+from zero_core.interfaces.ledger import CommLedger
+from zero_core.optim.loss_scaler import build_loss_scaler
+from zero_core.memory import MemoryLedger, model_state_breakdown, optimizer_k
+from zero_core.model_sync import broadcast_buffers, check_parameters_match
+from zero_core.optim.rules import collect_param_groups, rule_from_config, rule_from_torch_optimizer
+from zero_core.optim.partitioned import PartitionedOptimizer
+from zero_core.placement import move_module
+from zero_core.runtime.context import Runtime
 
 
 class ZeroEngine(torch.nn.Module):
@@ -70,7 +69,7 @@ class ZeroEngine(torch.nn.Module):
         hyper_groups = optimizer.param_groups if optimizer is not None else groups
         if config.zero_optimization.offload_optimizer.enabled:
             # master weights and optimizer states in host memory or files (zero_core/offload)
-            from .offload.optimizer import build_offloaded_optimizer
+            from zero_core.offload.optimizer import build_offloaded_optimizer
             self.optimizer = build_offloaded_optimizer(self, hyper_groups, rule)
         else:
             self.optimizer = PartitionedOptimizer(
@@ -153,7 +152,7 @@ class ZeroEngine(torch.nn.Module):
                 return lr_scheduler(self.optimizer)
             return lr_scheduler
         if self.config.scheduler is not None:
-            from .lr_schedules import build_scheduler
+            from zero_core.optim.lr_schedules import build_scheduler
             return build_scheduler(self.config.scheduler, self.optimizer)
         return None
 
@@ -316,60 +315,26 @@ class ZeroEngine(torch.nn.Module):
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
         """Collective: save everything needed to resume into ``save_dir/tag`` (default tag
         ``global_step<N>``) atomically; returns that directory."""
-        from .engine_checkpoint import save_checkpoint
+        from zero_core.checkpoint.engine_state import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False):
         """Collective: load checkpoint *tag* (default: ``latest``), saved with any world size
         and stage; returns ``(checkpoint directory, client_state)``."""
-        from .engine_checkpoint import load_checkpoint
+        from zero_core.checkpoint.engine_state import load_checkpoint
         return load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
     def _checkpoint_fragments(self, purpose):
-        from .engine_checkpoint import zero_fragments
+        from zero_core.checkpoint.engine_state import zero_fragments
         return zero_fragments(self, purpose)
 
     def _checkpoint_restored(self):
-        from .engine_checkpoint import zero_restored
+        from zero_core.checkpoint.engine_state import zero_restored
         zero_restored(self)
 
     def _checkpoint_layout(self):
-        from .engine_checkpoint import zero_layout
+        from zero_core.checkpoint.engine_state import zero_layout
         return zero_layout(self)
 
-
-def initialize(args=None, model=None, optimizer=None, model_parameters=None,
-               training_data=None, lr_scheduler=None, mpu=None, dist_init_required=None,
-               collate_fn=None, config=None, config_params=None):
-    """Build a :class:`ZeroEngine`; returns ``(engine, optimizer, None, lr_scheduler)`` like
-    ``deepspeed.initialize``. *config*: dict, path to a JSON file, or Config."""
-    if model is None:
-        raise ConfigError("initialize() needs model=<torch.nn.Module>")
-    if config is None:
-        config = config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "zero_config", None)
-    if training_data is not None:
-        raise ConfigError("training_data= is not supported yet: build a DataLoader with a "
-                          "DistributedSampler (rank=engine.global_rank, "
-                          "num_replicas=engine.world_size) and pass training_data=None")
-    if mpu is not None:
-        raise ConfigError("mpu= (model parallelism) is not supported: zero-core is data "
-                          "parallel only; pass mpu=None")
-    cfg = parse_config(config, discover().world_size)
-    runtime = init_distributed(cfg.accelerator, cfg.comm_backend, cfg.comm_timeout,
-                               cfg.topology.ranks_per_node)
-    if cfg.optimizer is None and optimizer is None:
-        raise ConfigError("no optimizer: add an 'optimizer' section to the config (e.g. "
-                          "{'type': 'AdamW', 'params': {'lr': 1e-3}}) or pass optimizer=")
-    if cfg.optimizer is not None and optimizer is not None:
-        raise ConfigError("an 'optimizer' section in the config and optimizer= were both "
-                          "given; keep one")
-    engine_class = ZeroEngine
-    if cfg.zero_optimization.stage == 3:
-        from .stage3.engine import Stage3Engine as engine_class
-    engine = engine_class(model, cfg, runtime, optimizer=optimizer,
-                          model_parameters=model_parameters, lr_scheduler=lr_scheduler)
-    return engine, engine.optimizer, None, engine.lr_scheduler

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from .errors import ZeroCoreError
+from zero_core.errors import ZeroCoreError
 
 
 @dataclass

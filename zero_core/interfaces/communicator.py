@@ -2,7 +2,7 @@
 
 Backends subclass :class:`Communicator` and implement the ``_``-prefixed methods. The
 public methods here validate arguments (before anything is sent), record every call in
-the :class:`~zero_core.ledger.CommLedger` and wrap the backend's in-flight work in a
+the :class:`~zero_core.interfaces.ledger.CommLedger` and wrap the backend's in-flight work in a
 :class:`Handle` whose ``wait()`` raises :class:`CommTimeoutError` naming the collective
 and the group instead of hanging when a peer dies.
 
@@ -13,7 +13,7 @@ Conventions:
 - a tensor on a device the backend cannot carry (``device_types``) is staged — device
   tensors through pinned host buffers, host tensors through device buffers — once the
   runtime has enabled staging (:meth:`Communicator.enable_staging`,
-  :mod:`zero_core.comm_staging`); the copies are counted in the ledger as
+  :mod:`zero_core.interfaces.staging`); the copies are counted in the ledger as
   ``staged_bytes`` / ``staging_s``.
 """
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from .comm_staging import StagedCall, Staging
-from .errors import CommError, CommTimeoutError
-from .launch import LaunchInfo
-from .ledger import CommLedger, LedgerEntry, sent_bytes
-from .topology import Topology
+from zero_core.interfaces.staging import StagedCall, Staging
+from zero_core.errors import CommError, CommTimeoutError
+from zero_core.runtime.launch import LaunchInfo
+from zero_core.interfaces.ledger import CommLedger, LedgerEntry, sent_bytes
+from zero_core.runtime.topology import Topology
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 

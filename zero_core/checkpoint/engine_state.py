@@ -48,7 +48,7 @@ It also reads these engine attributes: ``module``, ``comm``, ``global_rank``,
 ``world_size``, ``stage``, ``compute_dtype``, ``device``, ``optimizer.param_groups``,
 ``optimizer.step_counts``, ``global_steps``, ``micro_steps``, ``skipped_steps``,
 ``loss_scaler``, ``lr_scheduler``. :func:`layout_fragments` builds fragments from a
-:class:`~zero_core.partition.GroupLayout` and flat buffers, which is all stages 0–3 need.
+:class:`~zero_core.partitioning.layout.GroupLayout` and flat buffers, which is all stages 0–3 need.
 
 Implementations: :func:`zero_fragments` / :func:`zero_restored` (ZeroEngine, stages 0–2:
 rank r saves slice r of every bucket, also at stage 0; frozen parameters from rank 0) and
@@ -66,8 +66,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import checkpoint_store as store
-from .checkpoint_store import CheckpointError, TensorEntry, dtype_name
+from zero_core.checkpoint import store
+from zero_core.checkpoint.store import CheckpointError, TensorEntry, dtype_name
 
 MASTER, PARAM = "master", "param"
 WEIGHT_KEYS = (MASTER, PARAM)
@@ -449,7 +449,7 @@ def common_state(engine, client_state) -> dict:
 
 def engine_metadata(engine, described: dict, fragments) -> dict:
     """What rank 0 puts in metadata.json besides the store's own keys."""
-    from . import __version__
+    from zero_core.version import __version__
     state_keys = sorted({k for f in fragments for k in f.tensors if k not in WEIGHT_KEYS})
     layout = engine._checkpoint_layout() if hasattr(engine, "_checkpoint_layout") else None
     rule = getattr(engine, "_rule", None)

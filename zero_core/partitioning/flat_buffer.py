@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .partition import GroupLayout
+from zero_core.partitioning.layout import GroupLayout
 
 KINDS = ("full", "partition")
 

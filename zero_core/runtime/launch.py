@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from zero_core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .errors import ZeroCoreError
+from zero_core.errors import ZeroCoreError
 
 FORMAT_VERSION = 1
 METADATA = "metadata.json"

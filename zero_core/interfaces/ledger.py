@@ -1,6 +1,6 @@
 """The communication ledger: what this rank really sent through its communicator.
 
-Every collective that goes through a :class:`~zero_core.communicator.Communicator` is
+Every collective that goes through a :class:`~zero_core.interfaces.communicator.Communicator` is
 recorded here, once, by the communicator base class — so quantized payloads and their
 scales are counted as the bytes they are, not as the fp32 they stand for.
 
@@ -18,7 +18,7 @@ barrier            0
 =================  ====================================
 
 Collectives on device tensors that a host-only communicator carries are staged through
-pinned host buffers (:mod:`zero_core.comm_staging`); the device<->host copies they cost
+pinned host buffers (:mod:`zero_core.interfaces.staging`); the device<->host copies they cost
 are recorded per op as ``staged_bytes`` (both directions) and ``staging_s`` (seconds).
 
 Host<->device copies that are not collectives — the offloaded optimizer's gradients going

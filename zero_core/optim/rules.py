@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
+from zero_core.errors import ConfigError
 
 #: torch.optim classes whose update and state are element-wise (ZeRO can partition them)
 ELEMENTWISE_TORCH_OPTIMIZERS = tuple(

@@ -14,14 +14,14 @@ from collections import deque
 
 import torch
 
-from .buffer_pool import BufferPool
-from .communicator import Communicator
-from .errors import ZeroCoreError
-from .flat_buffer import FlatBuffer
-from .group_buffers import GroupBuffers
-from .kernels import KernelSet
-from .memory import MemoryLedger
-from .optimizer_spec import UpdateRule
+from zero_core.partitioning.buffer_pool import BufferPool
+from zero_core.interfaces.communicator import Communicator
+from zero_core.errors import ZeroCoreError
+from zero_core.partitioning.flat_buffer import FlatBuffer
+from zero_core.stage0to2.buffers import GroupBuffers
+from zero_core.interfaces.kernels import KernelSet
+from zero_core.memory import MemoryLedger
+from zero_core.optim.rules import UpdateRule
 
 
 class PartitionedOptimizer(torch.optim.Optimizer):

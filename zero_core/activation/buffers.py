@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .errors import ZeroCoreError
+from zero_core.errors import ZeroCoreError
 
 
 @dataclass

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import pluggy
 
-from . import hookspecs
-from .errors import BackendUnavailable, PluginError
+from zero_core.interfaces import hookspecs
+from zero_core.errors import BackendUnavailable, PluginError
 
 
 #: backends that live in plugins shipped beside zero-core, and how to install each: an

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .errors import ConfigError, ZeroCoreError
+from zero_core.errors import ConfigError, ZeroCoreError
 
 __all__ = ["DynamicLossScaler", "StaticLossScaler", "LossScaleUnderflowError", "has_overflow",
            "overflow_flag", "build_loss_scaler"]

@@ -4,15 +4,15 @@ With ``partition_activations``, the inputs a checkpoint saves are identical on e
 of a model-parallel group (Megatron-style tensor parallelism: the activation entering a
 transformer layer is replicated across the group). Each rank then keeps 1/mp of the bytes
 and backward rebuilds the whole by an all-gather through zero-core's
-:class:`~zero_core.communicator.Communicator` (so the ledger counts it).
+:class:`~zero_core.interfaces.communicator.Communicator` (so the ledger counts it).
 
 What is accepted as the "mpu" (DeepSpeed's name for the model-parallel unit):
 
 * an object with ``get_model_parallel_group()`` returning a zero-core
-  :class:`~zero_core.communicator.Group` (made with ``comm.new_group(ranks)`` on every rank);
+  :class:`~zero_core.interfaces.communicator.Group` (made with ``comm.new_group(ranks)`` on every rank);
   if it also has ``get_model_parallel_rank()`` / ``get_model_parallel_world_size()``, they
   must agree with the group;
-* a :class:`~zero_core.communicator.Group` itself.
+* a :class:`~zero_core.interfaces.communicator.Group` itself.
 
 A ``torch.distributed`` process group (Megatron's mpu) is refused with a message saying how
 to make the zero-core group: zero-core's collectives never go around its Communicator.
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .communicator import Communicator, Group
-from .errors import ConfigError
+from zero_core.interfaces.communicator import Communicator, Group
+from zero_core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from .flat_buffer import FlatBuffer
-from .memory import MemoryLedger
-from .partition import alignment_for, plan_group_layout
+from zero_core.partitioning.flat_buffer import FlatBuffer
+from zero_core.memory import MemoryLedger
+from zero_core.partitioning.layout import alignment_for, plan_group_layout
 
 
 class GroupBuffers:

@@ -14,7 +14,7 @@ with DeepSpeed's ``activation_checkpointing`` config keys:
   (pinned through the accelerator where it pins) and copied back in backward;
 * ``contiguous_memory_optimization`` (``contiguous_checkpointing``): the saved inputs of the
   k-th checkpoint of a forward pass are copied into buffer k of ``number_checkpoints``
-  buffers allocated once and reused every step (``zero_core.activation_buffers``);
+  buffers allocated once and reused every step (``zero_core.activation.buffers``);
 * ``number_checkpoints`` (``num_checkpoints``): that buffer count, i.e. the number of
   checkpointed calls in one forward pass; more live checkpoints than that is an error;
 * ``synchronize_checkpoint_boundary`` (``synchronize``): ``accelerator.synchronize()``
@@ -71,12 +71,12 @@ from typing import Any, Callable
 
 import torch
 
-from . import activation_rng
-from .activation_buffers import SlotBuffers
-from .activation_layout import plan, read_all, write_part
-from .activation_partition import ModelParallel, resolve_model_parallel
-from .config import ActivationCheckpointingConfig, Config, parse_activation_checkpointing
-from .errors import ConfigError, ZeroCoreError
+from zero_core.activation import rng as activation_rng
+from zero_core.activation.buffers import SlotBuffers
+from zero_core.activation.layout import plan, read_all, write_part
+from zero_core.activation.partition import ModelParallel, resolve_model_parallel
+from zero_core.config import ActivationCheckpointingConfig, Config, parse_activation_checkpointing
+from zero_core.errors import ConfigError, ZeroCoreError
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset", "deconfigure", "is_recomputing",
            "memory_stats", "profile_summary", "settings"]
@@ -112,19 +112,19 @@ _LOCAL = threading.local()  # .recomputing: depth of recomputes running on this 
 
 
 def _runtime_comm():
-    from .runtime import get_runtime
+    from zero_core.runtime.context import get_runtime
     return get_runtime().comm
 
 
 def _accelerator():
     """The runtime's accelerator, or (no runtime yet) the one the registry would pick."""
     if _STATE.accelerator is None:
-        from . import runtime
+        from zero_core.runtime import context as runtime
         rt = runtime._RUNTIME
         if rt is not None:
             _STATE.accelerator = rt.accelerator
         else:
-            from . import registry
+            from zero_core.runtime import registry
             _STATE.accelerator = registry.load().accelerator_class()()
     return _STATE.accelerator
 
@@ -168,7 +168,7 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None,
     """Set how :func:`checkpoint` keeps its saved inputs (DeepSpeed's signature).
 
     *mpu_*: the model-parallel unit, needed for *partition_activations* (what is accepted:
-    see ``zero_core.activation_partition``). *deepspeed_config*: a DeepSpeed config (dict,
+    see ``zero_core.activation.partition``). *deepspeed_config*: a DeepSpeed config (dict,
     JSON path or text, :class:`~zero_core.config.Config`) whose ``activation_checkpointing``
     section gives the defaults; the other arguments, when not None, override its keys:
     *partition_activations* (partition_activations), *contiguous_checkpointing*

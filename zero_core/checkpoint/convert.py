@@ -26,10 +26,10 @@ import os
 
 import torch
 
-from . import checkpoint_store as store
-from .checkpoint_store import CheckpointError, TensorEntry, dtype_from_name
-from .engine_checkpoint import MASTER, PARAM, fragment_index
-from .progress import ProgressBar
+from zero_core.checkpoint import store
+from zero_core.checkpoint.store import CheckpointError, TensorEntry, dtype_from_name
+from zero_core.checkpoint.engine_state import MASTER, PARAM, fragment_index
+from zero_core.progress import ProgressBar
 
 OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

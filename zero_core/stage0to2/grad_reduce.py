@@ -26,9 +26,9 @@ from typing import Callable
 
 import torch
 
-from .buffer_pool import BufferPool
-from .communicator import Communicator
-from .group_buffers import GroupBuffers
+from zero_core.partitioning.buffer_pool import BufferPool
+from zero_core.interfaces.communicator import Communicator
+from zero_core.stage0to2.buffers import GroupBuffers
 
 
 class GradReducer:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from zero_core.errors import ConfigError
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -1,0 +1,45 @@
+"""``initialize``: DeepSpeed's entry point — parse the config, start the runtime, pick the engine.
+
+The only module that knows both engine classes; the engines themselves never import it.
+"""
+from __future__ import annotations
+
+from zero_core.config import parse_config
+from zero_core.errors import ConfigError
+from zero_core.runtime.context import init_distributed
+from zero_core.runtime.launch import discover
+from zero_core.stage0to2.engine import ZeroEngine
+from zero_core.stage3.engine import Stage3Engine
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, config_params=None):
+    """Build a :class:`ZeroEngine`; returns ``(engine, optimizer, None, lr_scheduler)`` like
+    ``deepspeed.initialize``. *config*: dict, path to a JSON file, or Config."""
+    if model is None:
+        raise ConfigError("initialize() needs model=<torch.nn.Module>")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "zero_config", None)
+    if training_data is not None:
+        raise ConfigError("training_data= is not supported yet: build a DataLoader with a "
+                          "DistributedSampler (rank=engine.global_rank, "
+                          "num_replicas=engine.world_size) and pass training_data=None")
+    if mpu is not None:
+        raise ConfigError("mpu= (model parallelism) is not supported: zero-core is data "
+                          "parallel only; pass mpu=None")
+    cfg = parse_config(config, discover().world_size)
+    runtime = init_distributed(cfg.accelerator, cfg.comm_backend, cfg.comm_timeout,
+                               cfg.topology.ranks_per_node)
+    if cfg.optimizer is None and optimizer is None:
+        raise ConfigError("no optimizer: add an 'optimizer' section to the config (e.g. "
+                          "{'type': 'AdamW', 'params': {'lr': 1e-3}}) or pass optimizer=")
+    if cfg.optimizer is not None and optimizer is not None:
+        raise ConfigError("an 'optimizer' section in the config and optimizer= were both "
+                          "given; keep one")
+    engine_class = Stage3Engine if cfg.zero_optimization.stage == 3 else ZeroEngine
+    engine = engine_class(model, cfg, runtime, optimizer=optimizer,
+                          model_parameters=model_parameters, lr_scheduler=lr_scheduler)
+    return engine, engine.optimizer, None, engine.lr_scheduler
