@@ -59,7 +59,3 @@ class FlatBuffer:
             raise ValueError("param() is for full buffers")
         lay = self.layout
         return self.data.narrow(0, lay.offsets[i], lay.numels[i]).view(shape)
-
-    def unpadded(self) -> torch.Tensor:
-        """The real parameters of a full buffer, without the tail padding."""
-        return self.data.narrow(0, 0, self.layout.numel)

@@ -315,14 +315,14 @@ class ZeroEngine(torch.nn.Module):
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
         """Collective: save everything needed to resume into ``save_dir/tag`` (default tag
         ``global_step<N>``) atomically; returns that directory."""
-        from zero_core.checkpoint.engine_state import save_checkpoint
+        from zero_core.checkpoint.save_load import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False):
         """Collective: load checkpoint *tag* (default: ``latest``), saved with any world size
         and stage; returns ``(checkpoint directory, client_state)``."""
-        from zero_core.checkpoint.engine_state import load_checkpoint
+        from zero_core.checkpoint.save_load import load_checkpoint
         return load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 

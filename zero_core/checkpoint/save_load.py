@@ -1,0 +1,327 @@
+"""Saving and loading a whole engine: the collective procedures behind
+``engine.save_checkpoint`` / ``engine.load_checkpoint``.
+
+Saving: each rank writes its fragments (engine_state.py) and RNG states into its shard
+through the atomic store (store.py); rank 0 also writes the buffers and ``common.pt``; the
+directory becomes visible only when complete. Loading: every rank reads the manifest, plans
+which saved fragments overlap what it owns now, copies them in, then lets the engine
+rebuild what is derived (``_checkpoint_restored``).
+
+Per rank, the shard also holds the rank's RNG states (torch CPU generator, the
+accelerator's, Python's ``random``, numpy's global generator); rank 0's shard holds the
+module's buffers; rank 0 writes ``common.pt`` (step counters, optimizer hyperparameters and
+step counts, LR scheduler, loss scaler, client_state). RNG states are restored only when
+the world size is unchanged (a different number of ranks cannot continue the same streams).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import torch
+
+from zero_core.checkpoint import store
+from zero_core.checkpoint.engine_state import (WEIGHT_KEYS, fragment_index, parameter_names,
+                                               plan_reads)
+from zero_core.checkpoint.store import CheckpointError, TensorEntry, dtype_name
+
+
+# ---- RNG ----------------------------------------------------------------------------------------
+def _device_rng_module(device: torch.device):
+    if device.type == "cpu":
+        return None  # the CPU generator is saved as torch_cpu
+    module = torch.get_device_module(device.type)
+    return module if hasattr(module, "get_rng_state") else None
+
+
+def capture_rng(device: torch.device) -> tuple[dict, dict]:
+    """This process's RNG states as ``(tensors, plain values)`` for a safetensors shard."""
+    import numpy as np
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors = {"rng.torch_cpu": torch.get_rng_state(),
+               "rng.python": torch.tensor(mt, dtype=torch.int64),
+               "rng.numpy": torch.from_numpy(np.asarray(keys, dtype=np.int64))}
+    mod = _device_rng_module(device)
+    if mod is not None:
+        tensors["rng.accelerator"] = mod.get_rng_state(device.index or 0).cpu()
+    plain = {"python_version": version, "python_gauss": gauss, "numpy_kind": kind,
+             "numpy_pos": int(pos), "numpy_has_gauss": int(has_gauss),
+             "numpy_cached_gaussian": float(cached), "device": str(device)}
+    return tensors, plain
+
+
+def restore_rng(reader: store.SafetensorsReader, device: torch.device) -> None:
+    """Restore the RNG states saved by :func:`capture_rng` from a shard."""
+    import numpy as np
+    try:
+        plain = json.loads(reader.metadata["rng"])
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{reader.path} has no readable RNG state ({exc})") from None
+    torch.set_rng_state(reader.read_tensor("rng.torch_cpu"))
+    mt = tuple(int(x) for x in reader.read_tensor("rng.python").tolist())
+    random.setstate((plain["python_version"], mt, plain["python_gauss"]))
+    keys = reader.read_tensor("rng.numpy").numpy().astype(np.uint32)
+    np.random.set_state((plain["numpy_kind"], keys, plain["numpy_pos"],
+                         plain["numpy_has_gauss"], plain["numpy_cached_gaussian"]))
+    mod = _device_rng_module(device)
+    if mod is not None and "rng.accelerator" in reader.tensors:
+        mod.set_rng_state(reader.read_tensor("rng.accelerator"), device.index or 0)
+
+
+# ---- plain data (weights_only-loadable) --------------------------------------------------------
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
+
+
+def check_plain(obj, where: str) -> None:
+    """Refuse what ``torch.load(weights_only=True)`` would not read back (before writing)."""
+    if isinstance(obj, _PLAIN):
+        return
+    if isinstance(obj, (list, tuple, set)):
+        for i, v in enumerate(obj):
+            check_plain(v, f"{where}[{i}]")
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            check_plain(k, f"{where} key {k!r}")
+            check_plain(v, f"{where}[{k!r}]")
+        return
+    raise CheckpointError(f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, "
+                          f"which a checkpoint cannot hold: checkpoints are loaded without "
+                          f"running code (weights_only), so store plain data (dict, list, str, "
+                          f"numbers, tensors) — e.g. its state_dict()")
+
+
+# ---- model description ---------------------------------------------------------------------------
+def describe_model(module: torch.nn.Module) -> dict:
+    """Parameter shapes/dtypes, tied aliases, persistent buffers and state_dict key order."""
+    params = {n: {"shape": list(p.shape), "dtype": dtype_name(p.dtype)}
+              for n, p in module.named_parameters()}
+    first = parameter_names(module)
+    aliases = {n: first[id(p)] for n, p in module.named_parameters(remove_duplicate=False)
+               if first[id(p)] != n}
+    buffers = {}
+    keys = list(module.state_dict(keep_vars=True).keys())
+    named_buffers = dict(module.named_buffers())
+    for k in keys:
+        if k in named_buffers:
+            b = named_buffers[k]
+            buffers[k] = {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
+    return {"params": params, "aliases": aliases, "buffers": buffers, "state_dict_keys": keys}
+
+
+def check_model(described: dict, meta: dict, where: str) -> None:
+    """Refuse a checkpoint of another model (parameter names or shapes differ)."""
+    saved = meta["model"]
+    problems = []
+    mine, theirs = described["params"], saved["params"]
+    missing = [n for n in mine if n not in theirs]
+    extra = [n for n in theirs if n not in mine]
+    if missing:
+        problems.append(f"parameters of this model not in the checkpoint: {_few(missing)}")
+    if extra:
+        problems.append(f"parameters in the checkpoint not in this model: {_few(extra)}")
+    for n in mine:
+        if n in theirs and list(mine[n]["shape"]) != list(theirs[n]["shape"]):
+            problems.append(f"parameter {n!r} has shape {list(theirs[n]['shape'])} in the "
+                            f"checkpoint but {list(mine[n]['shape'])} in this model")
+    for n, b in described["buffers"].items():
+        if n not in saved["buffers"]:
+            problems.append(f"buffer {n!r} of this model is not in the checkpoint")
+        elif list(saved["buffers"][n]["shape"]) != list(b["shape"]):
+            problems.append(f"buffer {n!r} has shape {saved['buffers'][n]['shape']} in the "
+                            f"checkpoint but {b['shape']} in this model")
+    if problems:
+        raise CheckpointError(f"{where} was saved from a different model: "
+                              + "; ".join(problems[:6])
+                              + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
+
+
+def _few(names: list, n: int = 5) -> str:
+    return ", ".join(repr(x) for x in names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+# ---- save ----------------------------------------------------------------------------------------
+def save_checkpoint(engine, save_dir: str, tag=None, client_state=None,
+                    save_latest: bool = True) -> str:
+    """Collective: save *engine* as checkpoint *tag* (default ``global_step<N>``) in
+    *save_dir*; returns the checkpoint's directory. See the module docstring.
+
+    *client_state* (plain data: dict, list, str, numbers, tensors) is rank 0's, as in
+    DeepSpeed; :func:`load_checkpoint` returns it on every rank. Per-rank streams belong
+    in the RNGs, which are saved per rank.
+    """
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    rank = engine.global_rank
+    fragments = engine._checkpoint_fragments("save")
+    # one flat tensor per (key, dtype): fragments are streamed into it, never concatenated
+    columns: dict[str, list] = {}
+    records = []
+    for f in fragments:
+        keys = {}
+        for key, view in f.tensors.items():
+            col = f"{key}.{dtype_name(view.dtype)}"
+            pieces = columns.setdefault(col, [])
+            offset = sum(v.numel() for v in pieces)
+            pieces.append(view)
+            keys[key] = [col, offset]
+        prev = records[-1] if records else None
+        if (prev is not None and prev[0] == f.name and prev[2] == f.start
+                and prev[3].keys() == keys.keys()
+                and all(prev[3][k][0] == c and prev[3][k][1] + prev[2] - prev[1] == o
+                        for k, (c, o) in keys.items())):
+            prev[2] = f.end  # a parameter crossing a bucket border: one record
+        else:
+            records.append([f.name, f.start, f.end, keys])
+    rng_tensors, rng_plain = capture_rng(engine.device)
+    module = engine.module
+    described = describe_model(module) if rank == 0 else None
+
+    def write_files(directory: str) -> dict:
+        entries = [TensorEntry(col, views[0].dtype, (sum(v.numel() for v in views),),
+                               lambda views=views: iter(views))
+                   for col, views in columns.items()]
+        entries += [TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: [t])
+                    for name, t in rng_tensors.items()]
+        if rank == 0:
+            named = dict(module.named_buffers())
+            entries += [TensorEntry("buffer." + n, named[n].dtype, tuple(named[n].shape),
+                                    lambda n=n: [named[n].detach()])
+                        for n in described["buffers"]]
+        out = {store.shard_name(rank): store.write_safetensors(
+            os.path.join(directory, store.shard_name(rank)), entries,
+            {"format": "zero-core-shard", "rank": str(rank), "rng": json.dumps(rng_plain)})}
+        if rank == 0:
+            common = common_state(engine, client_state)
+            out[store.COMMON] = store.save_plain(os.path.join(directory, store.COMMON), common)
+        return out
+
+    index = {"file": store.shard_name(rank), "fragments": records}
+    metadata = engine_metadata(engine, described, fragments) if rank == 0 else {}
+    return store.save(engine.comm, save_dir, tag, write_files, index, metadata, save_latest)
+
+
+def common_state(engine, client_state) -> dict:
+    """What rank 0 stores in ``common.pt`` (checked to be weights_only-loadable)."""
+    opt = engine.optimizer
+    common = {
+        "global_steps": int(engine.global_steps), "micro_steps": int(engine.micro_steps),
+        "skipped_steps": int(engine.skipped_steps),
+        "optimizer": {"groups": [{k: v for k, v in g.items() if k != "params"}
+                                 for g in opt.param_groups],
+                      "step_counts": [int(s) for s in getattr(opt, "step_counts", [])]},
+        "lr_scheduler": (engine.lr_scheduler.state_dict()
+                         if getattr(engine, "lr_scheduler", None) is not None else None),
+        "loss_scaler": (engine.loss_scaler.state_dict()
+                        if getattr(engine, "loss_scaler", None) is not None else None),
+        "client_state": client_state if client_state is not None else {},
+    }
+    check_plain(common["client_state"], "client_state")
+    check_plain(common, "the engine's state")
+    return common
+
+
+def engine_metadata(engine, described: dict, fragments) -> dict:
+    """What rank 0 puts in metadata.json besides the store's own keys."""
+    from zero_core.version import __version__
+    state_keys = sorted({k for f in fragments for k in f.tensors if k not in WEIGHT_KEYS})
+    layout = engine._checkpoint_layout() if hasattr(engine, "_checkpoint_layout") else None
+    rule = getattr(engine, "_rule", None)
+    return {
+        "format": "zero-core-checkpoint", "zero_core_version": __version__,
+        "engine": type(engine).__name__, "stage": int(engine.stage),
+        "compute_dtype": dtype_name(engine.compute_dtype),
+        "model": described,
+        "optimizer": {"kind": rule.kind if rule is not None else None,
+                      "state_keys": state_keys,
+                      "groups": json.loads(json.dumps(
+                          [{k: v for k, v in g.items() if k != "params"}
+                           for g in engine.optimizer.param_groups], default=str))},
+        "dtypes": {"master": "float32", "optimizer_states": "float32",
+                   "param": dtype_name(engine.compute_dtype)},
+        "layout": layout,
+        "counters": {"global_steps": int(engine.global_steps),
+                     "micro_steps": int(engine.micro_steps),
+                     "skipped_steps": int(engine.skipped_steps)},
+        "common": store.COMMON, "buffers_in": store.shard_name(0),
+    }
+
+
+# ---- load ----------------------------------------------------------------------------------------
+@torch.no_grad()
+def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    """Collective: load checkpoint *tag* (default: ``latest``) from *load_dir* into
+    *engine*, whatever world size and stage it was saved with. Returns
+    ``(checkpoint directory, client_state)``.
+
+    ``load_module_only``: only parameters and buffers (not master-derived optimizer state,
+    counters, scheduler, scaler or RNG). ``load_optimizer_states=False``: weights and
+    counters but no optimizer states (they keep their current values).
+    """
+    tag_dir, meta = store.read_metadata(load_dir, tag)
+    where = os.path.join(tag_dir, store.METADATA)
+    for key in ("model", "stage"):
+        if key not in meta:
+            raise CheckpointError(f"{where} has no '{key}': not an engine checkpoint")
+    check_model(describe_model(engine.module), meta, where)
+    states = load_optimizer_states and not load_module_only
+    same_world = int(meta["world_size"]) == engine.world_size
+    error: Exception | None = None
+    common = None
+    try:
+        wanted = engine._checkpoint_fragments("load")
+        plan = plan_reads(wanted, fragment_index(meta), lambda k: k in WEIGHT_KEYS or states, where)
+        rng_file = store.shard_name(engine.global_rank) if same_world and not load_module_only else None
+        buffer_file = meta.get("buffers_in", store.shard_name(0))
+        files = sorted(set(plan) | {buffer_file} | ({rng_file} if rng_file else set()))
+        named_buffers = dict(engine.module.named_buffers())
+        for file in files:
+            with store.open_shard(tag_dir, file, meta) as reader:
+                for col, off, count, dst in plan.get(file, ()):
+                    reader.read_into(col, off, dst)
+                if file == buffer_file:
+                    for n in meta["model"]["buffers"]:
+                        if n in named_buffers:
+                            reader.read_into("buffer." + n, 0, named_buffers[n])
+                if file == rng_file:
+                    rng_reader_path = reader.path  # restored last, after the collectives
+        common = store.load_plain(tag_dir, meta.get("common", store.COMMON), meta)
+        if not isinstance(common, dict):
+            raise CheckpointError(f"{os.path.join(tag_dir, store.COMMON)} is not a dict")
+    except CheckpointError as exc:
+        error = exc
+    if not store._agree(engine.comm, error is None):
+        raise error or CheckpointError(
+            f"loading checkpoint {tag_dir} failed on another rank (see its error); this "
+            f"rank's state may be partly overwritten: load again or restart")
+    engine._checkpoint_restored()
+    if not load_module_only:
+        _restore_common(engine, common, states, load_lr_scheduler_states, tag_dir)
+        if rng_file:
+            with store.SafetensorsReader(rng_reader_path) as reader:
+                restore_rng(reader, engine.device)
+    return tag_dir, common.get("client_state", {})
+
+
+def _restore_common(engine, common: dict, states: bool, scheduler: bool, tag_dir: str) -> None:
+    engine.global_steps = int(common["global_steps"])
+    engine.micro_steps = int(common["micro_steps"])
+    engine.skipped_steps = int(common["skipped_steps"])
+    opt = engine.optimizer
+    if states:
+        groups = common["optimizer"]["groups"]
+        if len(groups) != len(opt.param_groups):
+            raise CheckpointError(f"{tag_dir} has {len(groups)} optimizer parameter groups, "
+                                  f"this engine {len(opt.param_groups)}: build the optimizer "
+                                  f"with the same groups, or pass load_optimizer_states=False")
+        for mine, saved in zip(opt.param_groups, groups):
+            mine.update(saved)
+        counts = common["optimizer"]["step_counts"]
+        if hasattr(opt, "step_counts") and len(counts) == len(opt.step_counts):
+            opt.step_counts[:] = counts
+    if scheduler and common.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(common["lr_scheduler"])
+    if common.get("loss_scaler") is not None and engine.loss_scaler is not None:
+        engine.loss_scaler.load_state_dict(common["loss_scaler"])
