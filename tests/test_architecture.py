@@ -1,0 +1,227 @@
+"""The layering and size rules of docs/ARCHITECTURE.md, checked by walking the source.
+
+Every ``import`` in ``zero_core/``, ``backends/`` and ``accel_kernels/`` is read with
+:mod:`ast` — module-level and function-level alike, since a deferred import is still an
+arrow — and resolved to a module of the three packages (``backends`` and ``accel_kernels``
+are installed as ``zero_core.backends`` / ``zero_core.accel_kernels``). Then:
+
+- no import cycle;
+- the engine imports no backend (it finds them through the registry's entry points);
+- a backend imports from the engine only the interfaces, the errors and the kernels;
+- the kernels import nothing of the engine but errors and interfaces;
+- no file over 600 lines, at most 12 modules directly in ``zero_core/``, a docstring on
+  every module;
+- every "ARCHITECTURE §N" / "DESIGN §N" reference names a section of docs/ARCHITECTURE.md.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = {"zero_core": ROOT / "zero_core", "zero_core.backends": ROOT / "backends",
+            "zero_core.accel_kernels": ROOT / "accel_kernels"}
+MAX_LINES = 600
+MAX_TOP_MODULES = 12
+# what a backend may import from zero_core besides zero_core.backends itself
+BACKEND_MAY_USE = ("zero_core.interfaces", "zero_core.errors", "zero_core.accel_kernels")
+KERNELS_MAY_USE = ("zero_core.interfaces", "zero_core.errors", "zero_core.accel_kernels")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for name, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            found[".".join([name, *parts])] = path
+    # zero_core/ walks into nothing that the other two map (they are separate folders)
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _resolve(importer: str, node: ast.AST) -> list[str]:
+    """The project modules an import statement names (a ``from pkg import sub`` names the
+    submodule when there is one, else the package)."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = importer if _is_package(importer) else importer.rsplit(".", 1)[0]
+            parts = package.split(".")
+            parts = parts[:len(parts) - (node.level - 1)]
+            base = ".".join(parts + ([node.module] if node.module else []))
+        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                   for a in node.names]
+    out = []
+    for target in targets:
+        while target and target not in MODULES and "." in target:
+            target = target.rsplit(".", 1)[0]
+        if target in MODULES and target != importer:
+            out.append(target)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        graph[module] = {t for node in ast.walk(tree)
+                         if isinstance(node, (ast.Import, ast.ImportFrom))
+                         for t in _resolve(module, node)}
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+GRAPH = import_graph()
+
+
+def test_the_walk_sees_the_known_arrows():
+    # the walk itself: a few arrows that must exist, else the rules below check nothing
+    assert "zero_core.interfaces.communicator" in GRAPH["zero_core.backends.comm.mpi"]
+    assert "zero_core.stage0to2.engine" in GRAPH["zero_core.stage3.engine"]
+    assert "zero_core.factory" in GRAPH["zero_core"]
+    assert len(MODULES) > 100
+
+
+def test_find_cycles_finds_a_cycle_and_only_cycles():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set(), "c": {"b"}}) == []
+
+
+def test_no_import_cycle():
+    assert find_cycles(GRAPH) == []
+
+
+def test_the_engine_imports_no_backend():
+    bad = {m: sorted(t for t in targets if _within(t, "zero_core.backends"))
+           for m, targets in GRAPH.items()
+           if not _within(m, "zero_core.backends") and not _within(m, "zero_core.accel_kernels")}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_backends_use_only_the_interfaces():
+    bad = {}
+    for module, targets in GRAPH.items():
+        if not _within(module, "zero_core.backends"):
+            continue
+        wrong = sorted(t for t in targets if not _within(t, "zero_core.backends")
+                       and not any(_within(t, ok) for ok in BACKEND_MAY_USE))
+        if wrong:
+            bad[module] = wrong
+    assert bad == {}
+
+
+def test_kernels_know_nothing_of_zero():
+    bad = {}
+    for module, targets in GRAPH.items():
+        if not _within(module, "zero_core.accel_kernels"):
+            continue
+        wrong = sorted(t for t in targets if not any(_within(t, ok) for ok in KERNELS_MAY_USE))
+        if wrong:
+            bad[module] = wrong
+    assert bad == {}
+
+
+def test_no_file_over_the_size_limit():
+    long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_few_modules_at_the_top_of_the_engine():
+    top = sorted(p.name for p in (ROOT / "zero_core").glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, top
+
+
+def test_every_module_says_what_it_owns():
+    missing = [m for m, p in MODULES.items()
+               if not (ast.get_docstring(ast.parse(p.read_text())) or "").strip()]
+    assert missing == []
+
+
+SECTION_REF = re.compile(r"(?:ARCHITECTURE|DESIGN)(?:\.md)? §(\d+)")
+
+
+def test_section_references_point_to_sections_that_exist():
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    sections = {int(n) for n in re.findall(r"^## (\d+)\. ", doc, re.M)}
+    assert sections, "docs/ARCHITECTURE.md has no numbered sections"
+    sources = [*MODULES.values(), ROOT / "README.md", ROOT / "pyproject.toml",
+               *(ROOT / "tests").rglob("*.py"), *(ROOT / "ci").glob("*"),
+               *(ROOT / "examples").glob("*.py")]
+    dangling = {}
+    for path in sources:
+        if path.is_file():
+            refs = {int(n) for n in SECTION_REF.findall(path.read_text(errors="replace"))}
+            if refs - sections:
+                dangling[str(path.relative_to(ROOT))] = sorted(refs - sections)
+    assert dangling == {}
+
+
+@pytest.mark.parametrize("question,path,code", [
+    ("stage-3 prefetch", "zero_core/stage3/prefetch.py", "class ExecutionTrace"),
+    ("the qgZ all-to-all", "zero_core/zeropp/qgz.py", "all_to_all"),
+    ("the MPI all-gather", "backends/comm/mpi.py", "def _all_gather_into"),
+    ("the checkpoint atomic rename", "zero_core/checkpoint/store.py", "os.replace("),
+    ("stage 0-2 gradient reduction", "zero_core/stage0to2/grad_reduce.py", "class GradReducer"),
+    ("activation checkpointing", "zero_core/activation/checkpointing.py", "def checkpoint("),
+])
+def test_the_tree_answers_where_things_are(question, path, code):
+    # the file the map names holds the thing, and the map names the file
+    assert code in (ROOT / path).read_text(), f"{question}: expected {code!r} in {path}"
+    assert path in (ROOT / "docs" / "ARCHITECTURE.md").read_text()
