@@ -131,7 +131,7 @@ def zero_fragments(engine, purpose: str) -> list[Fragment]:
     if engine.stage not in (0, 1, 2):
         raise CheckpointError(f"{type(engine).__name__} (stage {engine.stage}) must implement "
                               f"_checkpoint_fragments/_checkpoint_restored itself (see "
-                              f"zero_core/engine_checkpoint.py)")
+                              f"zero_core/checkpoint/engine_state.py)")
     names = parameter_names(engine.module)
     rank, world = engine.global_rank, engine.world_size
     everything = purpose == "load" and engine.stage == 0

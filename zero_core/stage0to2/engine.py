@@ -2,12 +2,12 @@
 
 One optimizer step, at a gradient-accumulation boundary:
 
-1. backward hooks have reduced each bucket's gradient (see grad_reducer.py); wait for them;
+1. backward hooks have reduced each bucket's gradient (see grad_reduce.py); wait for them;
 2. one all_reduce of this rank's sum of squared gradients gives the global norm — and,
    since inf/NaN survive the sum, the fp16 overflow flag, identical on every rank;
 3. on overflow the step is skipped and the loss scale lowered; otherwise gradients are
    multiplied once by ``1/loss_scale × clip coefficient`` and the partitioned optimizer
-   updates this rank's slice and all-gathers the new values (partitioned_optimizer.py).
+   updates this rank's slice and all-gathers the new values (optim/partitioned.py).
 
 The ``1/(world_size · gradient_accumulation_steps)`` of averaging is folded into the loss
 before backward, so reductions are plain sums and no pass over the gradients is spent on it.
@@ -311,7 +311,7 @@ class ZeroEngine(torch.nn.Module):
         """Remove the backward hooks (the model keeps its current values)."""
         self.reducer.remove_hooks()
 
-    # ---- checkpoints (engine_checkpoint.py: format, resharding, the hooks below) -------------
+    # ---- checkpoints (checkpoint/engine_state.py: format, resharding; save_load.py) ---------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
         """Collective: save everything needed to resume into ``save_dir/tag`` (default tag
         ``global_step<N>``) atomically; returns that directory."""
