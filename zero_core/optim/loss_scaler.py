@@ -62,17 +62,10 @@ def has_overflow(tensors: Iterable[torch.Tensor | None]) -> bool:
     return bool(overflow_flag(tensors).item())
 
 
-class StaticLossScaler:
-    """A fixed loss scale (DeepSpeed's ``fp16.loss_scale > 0``); ``update`` changes nothing."""
+class _LossScaler:
+    """What both scalers share: the current scale, under DeepSpeed's two names."""
 
-    dynamic = False
-
-    def __init__(self, scale: float):
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
-                or not math.isfinite(scale) or scale <= 0:
-            raise ConfigError(f"fp16.loss_scale={scale!r}: a static loss scale must be a finite "
-                              f"number > 0 (use 0 for dynamic scaling)")
-        self._scale = float(scale)
+    _scale: float
 
     @property
     def scale(self) -> float:
@@ -84,6 +77,19 @@ class StaticLossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """*loss* multiplied by the current scale."""
         return loss * self._scale
+
+
+class StaticLossScaler(_LossScaler):
+    """A fixed loss scale (DeepSpeed's ``fp16.loss_scale > 0``); ``update`` changes nothing."""
+
+    dynamic = False
+
+    def __init__(self, scale: float):
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+                or not math.isfinite(scale) or scale <= 0:
+            raise ConfigError(f"fp16.loss_scale={scale!r}: a static loss scale must be a finite "
+                              f"number > 0 (use 0 for dynamic scaling)")
+        self._scale = float(scale)
 
     def update(self, overflow: bool) -> None:
         """Nothing to adapt; the engine still skips the step when *overflow* is True."""
@@ -102,7 +108,7 @@ class StaticLossScaler:
         self._scale = float(state["scale"])
 
 
-class DynamicLossScaler:
+class DynamicLossScaler(_LossScaler):
     """DeepSpeed's dynamic loss scale (see the module docstring for the rules).
 
     Arguments: ``initial_scale`` (the first scale, ``2**initial_scale_power``),
@@ -147,17 +153,6 @@ class DynamicLossScaler:
         self.good_steps = 0      # consecutive non-overflow updates since the last overflow
         self.steps = 0           # updates so far
         self.overflows = 0       # overflowed (skipped) updates so far
-
-    @property
-    def scale(self) -> float:
-        """The current loss scale (multiplier of the loss)."""
-        return self._scale
-
-    loss_scale = scale  # DeepSpeed's attribute name
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """*loss* multiplied by the current scale."""
-        return loss * self._scale
 
     def update(self, overflow: bool) -> None:
         """Adapt the scale after one optimizer step; *overflow* says whether its gradients held
