@@ -211,10 +211,6 @@ class SwapFile:
             self._map = mm
         return torch.from_numpy(self._map).view(self.dtype)
 
-    @property
-    def is_mapped(self) -> bool:
-        return self._map is not None
-
     def reseal(self) -> None:
         """After :meth:`mapped` (whose views may have been written): flush the map, recompute
         every region's CRC from it and drop it."""

@@ -173,10 +173,6 @@ def meta_of(p) -> ParamMeta:
     return p.__dict__["_zc"]
 
 
-def empty_like_meta(meta: ParamMeta, device) -> torch.Tensor:
-    return torch.empty(0, dtype=meta.dtype, device=device)
-
-
 def mark_partitioned(p: torch.nn.Parameter, name: str) -> ParamMeta:
     """Turn *p* into a :class:`PartitionedParameter` (in place, same object) and return
     its metadata; the caller then releases or attaches its data."""

@@ -60,12 +60,3 @@ def zeropp_inter_node_bytes(forward: list[int], reduced: list[int], world_size: 
                  for p in reduced)
     return total + norm_allreduce_bytes(n)
 
-
-def paper_bytes(model_bytes: float) -> dict:
-    """The paper's per-rank cross-node volumes for a 16-bit model of *model_bytes*."""
-    return {"zero3": 3.0 * model_bytes, "zeropp": 0.75 * model_bytes}
-
-
-def paper_ratio() -> float:
-    """The ZeRO++ paper's cross-node volume ratio, 0.75M / 3M."""
-    return 0.75 / 3.0
