@@ -53,19 +53,16 @@ class OffloadedOptimizer(PartitionedOptimizer):
     module docstring). *param_sink* (stage 3 parameter offload) receives the updated
     parameter values instead of the partitions in ``param_buf``."""
 
-    def __init__(self, hyper_groups: list[dict], rule, buffers, comm, stage: int, ledger,
-                 zero_grad_fn, offload, sub_group_size: int, accelerator, rank: int,
-                 param_sink=None, max_inflight: int = 4):
+    def __init__(self, hyper_groups: list[dict], rule, buffers, comm, ledger, zero_grad_fn,
+                 offload, sub_group_size: int, accelerator, rank: int, param_sink=None,
+                 max_inflight: int = 4):
         torch.optim.Optimizer.__init__(self, hyper_groups, rule.default_dict())
         if rule.kind == "torch":
             raise ConfigError(
                 f"zero_optimization.offload_optimizer: the offloaded optimizer runs the fused "
                 f"CPU Adam/AdamW/SGD kernels; {rule.torch_class.__name__} has none. Use Adam, "
                 f"AdamW or SGD, or set offload_optimizer.device to 'none'")
-        if stage not in (1, 2, 3):
-            raise ConfigError(f"zero_optimization.offload_optimizer needs stage 1, 2 or 3 "
-                              f"(got {stage})")
-        self.rule, self.buffers, self.comm, self.stage = rule, buffers, comm, stage
+        self.rule, self.buffers, self.comm = rule, buffers, comm
         self.ledger, self.max_inflight = ledger, max_inflight
         self._zero_grad_fn = zero_grad_fn
         self.grad_factor = 1.0
@@ -95,7 +92,7 @@ class OffloadedOptimizer(PartitionedOptimizer):
                            for j, gb in enumerate(buffers)]
         present = [gb for gb in buffers if gb is not None]
         self._send = None
-        if stage in (1, 2) and present:
+        if any(gb.gathers_after_step for gb in present):
             max_shard = max(max(gb.layout.bucket_sizes) // gb.world_size for gb in present)
             device = present[0].param_buf.data.device
             self._send = BufferPool(max_shard, present[0].param_buf.dtype, device,
@@ -135,14 +132,15 @@ class OffloadedOptimizer(PartitionedOptimizer):
                 else:
                     fill(self.store.acquire(sg)[MASTER])
                     self.store.release(sg)
-            gb.master = self.store.flat(j, MASTER)
-            for k, u in enumerate(getattr(gb, "units", ())):
-                # stage 3: GatheredParameters write-backs must reach the offloaded master
-                if isinstance(self.store, HostStateStore):
-                    u.master_part = gb.master.bucket(k)
-                else:
-                    u.master_part = MasterWriteThrough(self.store, j, gb.layout.partition_start(k),
-                                                       gb.layout.shard_size(k), self.subgroups)
+            master = self.store.flat(j, MASTER)
+            # stage 3: GatheredParameters write-backs of unit k must reach the offloaded master
+            if isinstance(self.store, HostStateStore):
+                unit_master = master.bucket
+            else:
+                def unit_master(k, j=j, lay=gb.layout):
+                    return MasterWriteThrough(self.store, j, lay.partition_start(k),
+                                              lay.shard_size(k), self.subgroups)
+            gb.replace_master(master, unit_master)
 
     # ---- the step -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -199,10 +197,12 @@ class OffloadedOptimizer(PartitionedOptimizer):
 
     def _write_parameters(self, gb, sg, master: torch.Tensor, sends: dict, inflight) -> None:
         """Stream the updated values of *sg* back in the compute dtype (a rounding copy is
-        what the kernels' ``param_lowp`` does too)."""
+        what the kernels' ``param_lowp`` does too): into the partition itself where the
+        buffers keep parameters partitioned (stage 3), else into send buffers whose
+        all-gather starts as soon as a bucket is complete (stages 1-2)."""
         for p in sg.pieces:
             values = master.narrow(0, p.sub_offset, p.numel)
-            if self.stage == 3:
+            if not gb.gathers_after_step:
                 if self.param_sink is not None:
                     self.param_sink.write_piece(gb, p.bucket, p.shard_offset, values)
                 else:
@@ -238,9 +238,12 @@ class OffloadedOptimizer(PartitionedOptimizer):
 
 def build_offloaded_optimizer(engine, hyper_groups, rule) -> OffloadedOptimizer:
     """The engine's optimizer when ``offload_optimizer.device`` is cpu or nvme."""
+    if engine.stage not in (1, 2, 3):
+        raise ConfigError(f"zero_optimization.offload_optimizer needs stage 1, 2 or 3 "
+                          f"(got {engine.stage})")
     zc = engine.config.zero_optimization
     return OffloadedOptimizer(
-        hyper_groups, rule, engine._buffers, engine.comm, engine.stage, engine.memory_ledger,
+        hyper_groups, rule, engine._buffers, engine.comm, engine.memory_ledger,
         engine.zero_grad, zc.offload_optimizer, zc.sub_group_size,
         engine.runtime.accelerator, engine.global_rank,
         param_sink=getattr(engine, "param_offload", None))

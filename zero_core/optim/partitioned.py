@@ -7,6 +7,12 @@ this rank's fp32 slice (master weights and optimizer states live only for that s
 stages 1 and 2), writes the new low-precision values into a send buffer in the same
 kernel pass, and launches the bucket's all_gather before stepping the next bucket, so the
 gather of bucket k overlaps the update of bucket k+1.
+
+The optimizer knows no ZeRO stage: each group's buffers
+(:class:`~zero_core.interfaces.engine_parts.GroupBuffersProtocol`) say which elements this
+rank updates (``state_kind``: whole buckets at stage 0, its slice at stages 1-3) and
+whether the updated slices are all-gathered afterwards (``gathers_after_step``: stages
+1-2) or written in place into ``param_buf`` (stage 0's whole bucket, stage 3's partition).
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from zero_core.partitioning.buffer_pool import BufferPool
 from zero_core.interfaces.communicator import Communicator
 from zero_core.errors import ZeroCoreError
 from zero_core.partitioning.flat_buffer import FlatBuffer
-from zero_core.stage0to2.buffers import GroupBuffers
+from zero_core.interfaces.engine_parts import GroupBuffersProtocol
 from zero_core.interfaces.kernels import KernelSet
 from zero_core.memory import MemoryLedger
 from zero_core.optim.rules import UpdateRule
@@ -30,17 +36,16 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     ``self.param_groups`` at every step, so schedulers that edit them take effect."""
 
     def __init__(self, hyper_groups: list[dict], rule: UpdateRule,
-                 buffers: list[GroupBuffers | None], kernels: KernelSet, comm: Communicator,
-                 stage: int, ledger: MemoryLedger, zero_grad_fn, max_inflight: int = 4):
+                 buffers: list[GroupBuffersProtocol | None], kernels: KernelSet,
+                 comm: Communicator, ledger: MemoryLedger, zero_grad_fn, max_inflight: int = 4):
         super().__init__(hyper_groups, rule.default_dict())
         self.rule, self.buffers, self.kernels, self.comm = rule, buffers, kernels, comm
-        self.stage, self.ledger = stage, ledger
+        self.ledger = ledger
         self.max_inflight = max_inflight
         self._zero_grad_fn = zero_grad_fn
         #: set by the engine before step(): multiply gradients by this (unscale × clip)
         self.grad_factor = 1.0
         self.step_counts = [0] * len(buffers)
-        kind = "full" if stage == 0 else "partition"
         self.flat_state: list[dict[str, FlatBuffer]] = []
         for j, gb in enumerate(buffers):
             states = {}
@@ -49,7 +54,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                     if name == "momentum_buffer" and not any(
                             float(g.get("momentum", 0.0)) for g in self.param_groups):
                         continue  # plain SGD keeps no state
-                    states[name] = FlatBuffer(gb.layout, kind, torch.float32,
+                    states[name] = FlatBuffer(gb.layout, gb.state_kind, torch.float32,
                                               gb.param_buf.data.device, gb.rank)
                     ledger.track("optimizer_states", states[name].data)
             self.flat_state.append(states)
@@ -60,8 +65,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         lowp = present[0].param_buf.dtype if present else torch.float32
         track = lambda t: ledger.track("communication_buffers", t)  # noqa: E731
         full = max_shard * (present[0].world_size if present else 1)
+        whole = any(gb.state_kind == "full" for gb in present)
         # fp32 gradient of one bucket for mixed precision (the kernels read fp32)
-        self._grad32 = BufferPool(full if stage == 0 else max_shard, torch.float32, device, track)
+        self._grad32 = BufferPool(full if whole else max_shard, torch.float32, device, track)
         self._send = BufferPool(max_shard, lowp, device, track)
         self._inner: torch.optim.Optimizer | None = None
 
@@ -96,8 +102,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 grad, scratch = self._fp32_grad(gb, k)
                 send = self._send_buffer(gb, k, inflight)
                 lowp = send if gb.mixed and send is not None else None
-                if gb.mixed and self.stage in (0, 3):
-                    # stage 0: the whole bucket; stage 3: param_buf is this rank's partition
+                if gb.mixed and not gb.gathers_after_step:
+                    # written in place: stage 0's whole bucket, stage 3's partition
                     lowp = gb.param_buf.bucket(k)
                 master = gb.master_bucket(k)
                 self._kernel(j, hp, master, grad, k, lowp)
@@ -133,7 +139,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 weight_decay=float(hp.get("weight_decay", 0.0)),
                 nesterov=bool(hp.get("nesterov", False)), first_step=t == 1, param_lowp=lowp)
 
-    def _fp32_grad(self, gb: GroupBuffers, k: int):
+    def _fp32_grad(self, gb: GroupBuffersProtocol, k: int):
         """Bucket *k*'s reduced gradient in fp32, multiplied by ``grad_factor``; and the
         scratch buffer to give back (mixed precision) or None."""
         g = gb.reduced_grad_bucket(k)
@@ -148,10 +154,11 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             s.mul_(f)
         return s, s
 
-    def _send_buffer(self, gb: GroupBuffers, k: int, inflight):
-        """Stages 1/2: the buffer this rank all-gathers from for bucket *k* (stage 3 keeps
-        parameters partitioned: nothing to gather after the step)."""
-        if self.stage in (0, 3):
+    def _send_buffer(self, gb: GroupBuffersProtocol, k: int, inflight):
+        """The buffer this rank all-gathers bucket *k* from, or None when *gb* does not
+        gather after the step (stage 0 holds everything; stage 3 keeps parameters
+        partitioned)."""
+        if not gb.gathers_after_step:
             return None
         return self._send.take(gb.layout.shard_size(k), lambda: self._finish_one(inflight))
 
@@ -176,20 +183,21 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     # ---- any element-wise torch.optim class -------------------------------------------
     def _build_inner(self):
         """Re-create the user's optimizer class over the fp32 values this rank updates:
-        parameter-shaped views at stage 0, one flat slice per bucket at stages 1/2."""
+        parameter-shaped views where it updates whole buckets (stage 0), one flat slice
+        per bucket where it updates its partition (stages 1-3)."""
         groups = []
         self._inner_map = []   # (group j, [(tensor, grad32 or None, bucket or param idx)])
         for j, gb in enumerate(self.buffers):
             if gb is None:
                 continue
             grad32 = None
+            whole = gb.state_kind == "full"
             if gb.mixed:
-                kind = "full" if self.stage == 0 else "partition"
-                grad32 = FlatBuffer(gb.layout, kind, torch.float32, gb.param_buf.data.device,
-                                    gb.rank)
+                grad32 = FlatBuffer(gb.layout, gb.state_kind, torch.float32,
+                                    gb.param_buf.data.device, gb.rank)
                 self.ledger.track("communication_buffers", grad32.data)
             tensors = []
-            if self.stage == 0:
+            if whole:
                 values = gb.master if gb.master is not None else gb.param_buf
                 grads = grad32 if grad32 is not None else gb.grad_buf
                 for i, p in enumerate(gb.params):
@@ -230,7 +238,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         for j, _ in self._inner_map:
             gb = self.buffers[j]
             for k in range(gb.num_buckets):
-                if self.stage in (0, 3):
+                if not gb.gathers_after_step:
                     if gb.mixed:
                         gb.param_buf.bucket(k).copy_(gb.master.bucket(k))
                     continue

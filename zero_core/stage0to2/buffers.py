@@ -13,17 +13,22 @@ buffer                      stage 0                    stage 1 / stage 2
 
 In fp32 training there is no separate master: the fp32 parameters are stepped in place
 (stage 0: whole buckets; stages 1/2: this rank's slice of each bucket).
+
+The class meets :class:`~zero_core.interfaces.engine_parts.BucketBuffersProtocol`; what
+the optimizer must do differently per stage it learns from ``state_kind`` and
+``gathers_after_step``, never from the stage number.
 """
 from __future__ import annotations
 
 import torch
 
+from zero_core.interfaces.engine_parts import BucketBuffersProtocol
 from zero_core.partitioning.flat_buffer import FlatBuffer
 from zero_core.memory import MemoryLedger
 from zero_core.partitioning.layout import alignment_for, plan_group_layout
 
 
-class GroupBuffers:
+class GroupBuffers(BucketBuffersProtocol):
     """Flattens *params* (in the given order) into buckets and makes them views."""
 
     def __init__(self, params: list[torch.nn.Parameter], stage: int,
@@ -79,6 +84,21 @@ class GroupBuffers:
     @property
     def num_buckets(self) -> int:
         return self.layout.num_buckets
+
+    @property
+    def state_kind(self) -> str:
+        """Stage 0: this rank updates whole buckets ("full"); stages 1/2: its slice."""
+        return "full" if self.stage == 0 else "partition"
+
+    @property
+    def gathers_after_step(self) -> bool:
+        """Stages 1/2: the updated slices are all-gathered into ``param_buf``; stage 0
+        updates ``param_buf`` in place."""
+        return self.stage != 0
+
+    def replace_master(self, master: FlatBuffer, unit_master=None) -> None:
+        """The offloaded optimizer keeps the fp32 master in its store from now on."""
+        self.master = master
 
     def grad_view(self, i: int) -> torch.Tensor:
         """The ``.grad`` view of parameter *i* (stages 0 and 1)."""

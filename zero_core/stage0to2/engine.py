@@ -73,7 +73,7 @@ class ZeroEngine(torch.nn.Module):
             self.optimizer = build_offloaded_optimizer(self, hyper_groups, rule)
         else:
             self.optimizer = PartitionedOptimizer(
-                hyper_groups, rule, self._buffers, runtime.kernels, self.comm, self.stage,
+                hyper_groups, rule, self._buffers, runtime.kernels, self.comm,
                 self.memory_ledger, self.zero_grad)
         self._rule = rule
         self.reducer = self._build_reducer()

@@ -20,18 +20,22 @@ from typing import Callable
 
 import torch
 
+from zero_core.interfaces.engine_parts import UnitBuffersProtocol
 from zero_core.partitioning.flat_buffer import FlatBuffer
 from zero_core.memory import MemoryLedger
 from zero_core.partitioning.layout import alignment_for
 from zero_core.stage3.units import FetchUnit, unit_layout
 
 
-class Stage3GroupBuffers:
+class Stage3GroupBuffers(UnitBuffersProtocol):
     """Flat partitions of the fetch units *units* of one group. *full_values(unit)*
     returns the unit's padded flat values in fp32 (on every rank), one unit at a time, so
     that building never holds more than one unit in full."""
 
-    stage = 3
+    #: this rank updates its partition of every unit, in place: nothing is gathered after
+    #: the step (the next use gathers the new values)
+    state_kind = "partition"
+    gathers_after_step = False
 
     def __init__(self, units: list[FetchUnit], trainable: bool, compute_dtype: torch.dtype,
                  device: torch.device, rank: int, world_size: int, ledger: MemoryLedger,
@@ -83,3 +87,11 @@ class Stage3GroupBuffers:
     def zero_grads(self) -> None:
         """Nothing to clear: the next reduction overwrites the accumulator (the reducer's
         ``mark_fresh``), as at stage 2."""
+
+    def replace_master(self, master: FlatBuffer, unit_master) -> None:
+        """The offloaded optimizer keeps the fp32 master in its store from now on; unit
+        *k*'s ``master_part`` (where GatheredParameters writes back) becomes
+        ``unit_master(k)``."""
+        self.master = master
+        for k, u in enumerate(self.units):
+            u.master_part = unit_master(k)
