@@ -14,6 +14,7 @@ import torch
 import zero_core
 from zero_core.errors import ZeroCoreError
 from zero_core.stage3.partitioned_params import ParameterNotGatheredError
+from zero_core.stage3.units import UnitState
 
 
 class ReadsAnotherModulesWeight(torch.nn.Module):
@@ -74,9 +75,9 @@ def test_unpacking_a_released_unit_gathers_it_again(seed):
         expected = view.clone()
         del view, full
         engine.gatherer.release(u)
-        assert u.state == "released" and u.full is None
+        assert u.state is UnitState.RELEASED and u.full is None
         again = views._unpack(packed)
-        assert u.state == "gathered"
+        assert u.state is UnitState.GATHERED
         assert torch.equal(again, expected), f"seed {seed}"
         assert torch.equal(u.full, original)
         # tensors that are not views of a gathered unit pass through untouched

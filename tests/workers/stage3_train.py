@@ -388,7 +388,7 @@ def live_window():
             loss = engine(x).pow(2).mean()
             # gathered buffers of released units that something (autograd) still holds
             held.append(sum(nbytes for u, nbytes, ref in buffers
-                            if u.state == "released" and not ref.expired()))
+                            if u.released and not ref.expired()))
             engine.backward(loss)
             engine.step()
         rep = engine.memory_report()["stage3"]

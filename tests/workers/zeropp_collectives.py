@@ -92,7 +92,7 @@ def check_fetch_and_hpz(comm, kernels, out):
     sec.invalidate_all()
     third = gather(True)     # world again after the "step"
     # quantized write-back: a modifier changes 5 elements of every rank's slice
-    u.full = first.clone()
+    u.mark_inflight(first.clone(), None)   # stands for a gathered copy
     shard = padded // n
     touched = torch.arange(n)[:, None] * shard + torch.tensor([0, 3, 100, 200, 511])[None, :]
     u.full[touched.reshape(-1)] = 7.25

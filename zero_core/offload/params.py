@@ -237,7 +237,7 @@ class ParamOffload:
             u = self.units_by_index.get(idx)
             if (u is None or idx in self._ready or idx in self._inflight or u is current
                     or id(u) in self._cache or id(u) not in self._group_of
-                    or u.state != "released"):
+                    or not u.released):
                 continue
             buf = self._free.pop()
             self._ready[idx] = (buf, self._io.submit(self._read, u, buf))
@@ -262,9 +262,7 @@ class ParamOffload:
             elif self._inflight:
                 idx = next(iter(self._inflight))
                 u = self._inflight[idx][0]
-                if u.handle is not None:   # the gatherer sees the collective as done
-                    u.handle.wait()
-                    u.handle = None
+                u.wait_collective()   # the gatherer then sees the collective as done
                 self.fetched(u)
             else:
                 raise RuntimeError("offload_param: every staging buffer is busy and nothing "

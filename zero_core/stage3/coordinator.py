@@ -30,6 +30,8 @@ class ParamCoordinator:
     def __init__(self, units: list[FetchUnit], gatherer: UnitGatherer, prefetch_bucket_size: int,
                  max_live_parameters: int, max_reuse_distance: int):
         self.units = units
+        for u in units:
+            u.owner = self   # GatheredParameters finds the coordinator through its units
         self.gatherer = gatherer
         self.prefetch_bucket_size = prefetch_bucket_size
         self.max_live = max_live_parameters
@@ -74,21 +76,24 @@ class ParamCoordinator:
             ahead += u.padded_numel
             if ahead > self.prefetch_bucket_size:
                 break
-            if u.state == "released":
+            if u.released:
                 if g.live_numel + u.padded_numel > self.max_live:
                     break
                 g.start(u)
                 self.prefetched += 1
 
-    # ---- releases ------------------------------------------------------------------------
-    def _releasable(self, u: FetchUnit) -> bool:
-        return not (u.persistent or u.pins or u.active or u.pinned_for_backward)
+    def before_forward(self, units: list[FetchUnit]) -> None:
+        """A module's forward starts: its units are in use until ``after_forward``."""
+        for u in units:
+            u.enter_forward()
+        self.request(units)
 
+    # ---- releases ------------------------------------------------------------------------
     def after_forward(self, units: list[FetchUnit]) -> None:
         """A module's forward finished: release the units nobody needs soon."""
         for u in units:
-            u.active -= 1
-            if not self._releasable(u) or u.state == "released":
+            u.exit_forward()
+            if not u.releasable or u.released:
                 continue
             distance = self.trace.reuse_distance(u.index)
             if (distance is not None and distance <= self.max_reuse
@@ -98,15 +103,15 @@ class ParamCoordinator:
 
     def grads_done(self, u: FetchUnit) -> None:
         """Every trainable parameter of *u* delivered its gradient in this backward."""
-        if self._releasable(u):
+        if u.releasable:
             self.gatherer.release(u)
 
     def end_backward(self) -> None:
         """Release every unit no forward, pin or persistence holds."""
         self.awaiting_backward = False
         for u in self.units:
-            u.pinned_for_backward = False
-            if u.state != "released" and self._releasable(u):
+            u.drop_backward_hold()
+            if not u.released and u.releasable:
                 self.gatherer.release(u)
 
     def release_all(self) -> None:
@@ -114,20 +119,20 @@ class ParamCoordinator:
         self.awaiting_backward = False
         self.partition_epoch += 1
         for u in self.units:
-            u.pinned_for_backward = False
-            if u.state != "released" and not (u.pins or u.active):
+            u.drop_backward_hold()
+            if not u.released and not u.in_use:
                 self.gatherer.release(u)
 
     # ---- pins (GatheredParameters) -------------------------------------------------------
     def pin(self, units: list[FetchUnit]) -> None:
         for u in units:
-            u.pins += 1
+            u.pin()
         self.gatherer.ensure(units)
 
     def unpin(self, units: list[FetchUnit], keep_for_backward: bool) -> None:
         for u in units:
-            u.pins -= 1
+            u.unpin()
             if keep_for_backward:
-                u.pinned_for_backward = True
-            elif self._releasable(u) and u.state != "released":
+                u.hold_for_backward()
+            elif u.releasable and not u.released:
                 self.gatherer.release(u)

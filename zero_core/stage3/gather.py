@@ -28,7 +28,7 @@ import torch
 
 from zero_core.interfaces.communicator import Communicator
 from zero_core.stage3 import partitioned_params as pp
-from zero_core.stage3.units import FetchUnit
+from zero_core.stage3.units import FetchUnit, UnitState
 
 
 class UnitGatherer:
@@ -66,47 +66,44 @@ class UnitGatherer:
 
     def start(self, u: FetchUnit) -> None:
         """Launch *u*'s all-gather if it is released (no-op otherwise)."""
-        if u.state != "released":
+        if not u.released:
             return
         if self.strategy is not None:
-            full, u.handle = self.strategy.launch(u, self.for_compute)
+            full, handle = self.strategy.launch(u, self.for_compute)
         elif self.part_source is not None:
             part = self.part_source.fetch(u)
             full = torch.empty(u.padded_numel, dtype=part.dtype, device=self.device)
             if self.comm.world_size == 1:
                 full.copy_(part)
-                u.handle = None
+                handle = None
                 self.part_source.fetched(u)
             else:
-                u.handle = self.comm.all_gather_into(full, part, async_op=True)
+                handle = self.comm.all_gather_into(full, part, async_op=True)
         elif self.comm.world_size == 1:
             full = torch.empty(u.padded_numel, dtype=u.part.dtype, device=u.part.device)
             full.copy_(u.part)
-            u.handle = None
+            handle = None
         else:
             full = torch.empty(u.padded_numel, dtype=u.part.dtype, device=u.part.device)
-            u.handle = self.comm.all_gather_into(full, u.part, async_op=True)
-        u.full = full
-        u.state = "inflight"
+            handle = self.comm.all_gather_into(full, u.part, async_op=True)
+        u.mark_inflight(full, handle)
         self.gathers += 1
         self._count(u, +1)
 
     def wait(self, u: FetchUnit) -> None:
         """Make *u*'s parameters available (starting its gather if needed)."""
-        if u.state == "gathered":
+        if u.state is UnitState.GATHERED:
             return
-        if u.state == "released":
+        if u.released:
             self.start(u)
-        if u.handle is not None:
-            u.handle.wait()
-            u.handle = None
+        u.wait_collective()
         if self.part_source is not None:
             self.part_source.fetched(u)
         full = u.full
         for p, off in zip(u.params, u.offsets):
             meta = pp.meta_of(p)
             pp.attach(p, full.narrow(0, off, meta.numel))
-        u.state = "gathered"
+        u.mark_gathered()
         if full.numel():
             self.live_storage[full.untyped_storage().data_ptr()] = u
 
@@ -121,19 +118,16 @@ class UnitGatherer:
     def release(self, u: FetchUnit) -> None:
         """Drop *u*'s gathered values (waits first for a gather still in flight, so that
         the collective completes on every rank)."""
-        if u.state == "released":
+        if u.released:
             return
-        if u.handle is not None:
-            u.handle.wait()
-            u.handle = None
+        u.wait_collective()
         if self.part_source is not None:
             self.part_source.fetched(u)
         for p in u.params:
             pp.release(p)
         if u.full is not None:
             self.live_storage.pop(u.full.untyped_storage().data_ptr(), None)
-        u.full = None
-        u.state = "released"
+        u.mark_released()
         self._count(u, -1)
 
     def write_back(self, u: FetchUnit) -> None:

@@ -141,9 +141,7 @@ class ModuleHooks:
         self.coord.module_stack.append(self.names.get(module, type(module).__name__))
         if not units:
             return
-        for u in units:
-            u.active += 1
-        self.coord.request(units)
+        self.coord.before_forward(units)
 
     def _post(self, module, args, out):
         if self.coord.module_stack:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from zero_core.errors import ZeroCoreError
-from zero_core.stage3.units import FetchUnit
+from zero_core.stage3.units import FetchUnit, UnitState
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class SavedViews:
                 f"stage 3 the parameters {u.names[:3]} were gathered for that forward and "
                 f"have been updated since. Run backward before engine.step(), or run the "
                 f"forward again.")
-        if u.state != "gathered":
+        if u.state is not UnitState.GATHERED:
             with self.gatherer.computing():
                 self.gatherer.ensure([u])
         full = u.full

@@ -22,13 +22,13 @@ def consolidated_state_dict(engine, rank0_only: bool = False, exclude_frozen: bo
     for u in engine.units:
         if exclude_frozen and not u.trainable:
             continue
-        was_released = u.state == "released"
+        was_released = u.released
         gatherer.wait(u)
         if keep:
             for p, off in zip(u.params, u.offsets):
                 meta = p.__dict__["_zc"]
                 values[id(p)] = u.full.narrow(0, off, meta.numel).view(meta.shape).clone()
-        if was_released and not (u.pins or u.active):
+        if was_released and not u.in_use:
             gatherer.release(u)
     if not keep:
         return {}

@@ -17,10 +17,14 @@ Each unit is one bucket of its group's flat layout (:func:`unit_layout`), padded
 multiple of ``world_size × alignment`` so that every rank owns an equal, aligned slice:
 rank *r*'s partition of a unit is slice *r* of that bucket, and the gathered unit is one
 ``all_gather_into`` of the slices.
+
+A unit also owns its state (:class:`UnitState`: released, in flight, gathered; and who
+uses it): the gatherer and the coordinator change it through the unit's methods only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -39,11 +43,33 @@ def coalesce_numel(prefetch_bucket_size: int, reduce_bucket_size: int) -> int:
     return max(1, min(COALESCE_TARGET, prefetch_bucket_size, reduce_bucket_size))
 
 
+class UnitState(Enum):
+    """Where a fetch unit's gathered values are (see :class:`FetchUnit`)."""
+
+    RELEASED = "released"   # only the partitions exist; the parameters are empty
+    INFLIGHT = "inflight"   # an all-gather into ``full`` was launched
+    GATHERED = "gathered"   # ``full`` holds the values; the parameters are views of it
+
+
+#: the transitions UnitGatherer makes (gather.py)
+_TRANSITIONS = {(UnitState.RELEASED, UnitState.INFLIGHT), (UnitState.INFLIGHT, UnitState.GATHERED),
+                (UnitState.INFLIGHT, UnitState.RELEASED), (UnitState.GATHERED, UnitState.RELEASED)}
+
+
 @dataclass(eq=False)
 class FetchUnit:
     """Parameters gathered together. ``offsets`` are element offsets in the gathered flat
     buffer of ``padded_numel`` elements; ``part`` (this rank's slice, compute dtype),
-    ``grad_part`` and ``master_part`` are views into the group's flat partitions."""
+    ``grad_part`` and ``master_part`` are views into the group's flat partitions.
+
+    The unit owns its gathering and use state. It is read through properties (``state``,
+    ``full``, ``active``, ``pins``, ``pinned_for_backward``, ``released``, ``in_use``,
+    ``releasable``) and changed only by the methods below: the gather transitions
+    (``mark_inflight``, ``mark_gathered``, ``mark_released``, ``wait_collective``) by
+    UnitGatherer (gather.py), the use counts (``enter_forward``/``exit_forward``,
+    ``pin``/``unpin``, ``hold_for_backward``/``drop_backward_hold``) by ParamCoordinator
+    (coordinator.py).
+    """
 
     index: int
     group: int
@@ -57,14 +83,14 @@ class FetchUnit:
     part: torch.Tensor | None = None
     grad_part: torch.Tensor | None = None
     master_part: torch.Tensor | None = None
-    # gathering state (gather.py)
-    state: str = "released"          # released | inflight | gathered
-    full: torch.Tensor | None = None
-    handle: object = None
-    active: int = 0                  # forward calls running that use it
-    pins: int = 0                    # GatheredParameters contexts holding it
-    pinned_for_backward: bool = False
-    owner: object = None             # the engine's ParamCoordinator
+    owner: object = None             # the engine's ParamCoordinator (it adopts its units)
+    # gathering and use state: written only by the methods below
+    _state: UnitState = field(default=UnitState.RELEASED, init=False, repr=False)
+    _full: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _handle: object = field(default=None, init=False, repr=False)
+    _active: int = field(default=0, init=False, repr=False)    # forward calls running
+    _pins: int = field(default=0, init=False, repr=False)      # GatheredParameters holding it
+    _pinned_for_backward: bool = field(default=False, init=False, repr=False)
 
     @property
     def trainable(self) -> bool:
@@ -75,6 +101,94 @@ class FetchUnit:
         self.names.append(name)
         self.offsets.append(self.numel)
         self.numel += p.numel()
+
+    # ---- reading the state -------------------------------------------------------------
+    @property
+    def state(self) -> UnitState:
+        return self._state
+
+    @property
+    def released(self) -> bool:
+        return self._state is UnitState.RELEASED
+
+    @property
+    def full(self) -> torch.Tensor | None:
+        """The gathered flat values (in flight or complete); None when released."""
+        return self._full
+
+    @property
+    def active(self) -> int:
+        """Forward calls running that use the unit."""
+        return self._active
+
+    @property
+    def pins(self) -> int:
+        """GatheredParameters contexts holding the unit."""
+        return self._pins
+
+    @property
+    def pinned_for_backward(self) -> bool:
+        """Read by GatheredParameters between a forward and its backward: kept until the
+        backward ends."""
+        return self._pinned_for_backward
+
+    @property
+    def in_use(self) -> bool:
+        """A running forward or a GatheredParameters context needs the gathered values."""
+        return bool(self._pins or self._active)
+
+    @property
+    def releasable(self) -> bool:
+        """Nothing keeps the unit gathered: not persistent, pinned, running or held."""
+        return not (self.persistent or self._pins or self._active or self._pinned_for_backward)
+
+    # ---- gather transitions (UnitGatherer) ---------------------------------------------
+    def _move(self, to: UnitState) -> None:
+        if (self._state, to) not in _TRANSITIONS:
+            raise RuntimeError(f"fetch unit {self.index}: no transition from "
+                               f"{self._state.value} to {to.value}")
+        self._state = to
+
+    def mark_inflight(self, full: torch.Tensor, handle) -> None:
+        """A gather into *full* was launched (*handle*: its collective, None if done)."""
+        self._move(UnitState.INFLIGHT)
+        self._full, self._handle = full, handle
+
+    def wait_collective(self) -> None:
+        """Complete the gather's collective, if one is still running."""
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+
+    def mark_gathered(self) -> None:
+        """``full`` holds the values (the collective completed)."""
+        self.wait_collective()
+        self._move(UnitState.GATHERED)
+
+    def mark_released(self) -> None:
+        """The gathered values are dropped (the collective completed first)."""
+        self.wait_collective()
+        self._move(UnitState.RELEASED)
+        self._full = None
+
+    # ---- use counts (ParamCoordinator) -------------------------------------------------
+    def enter_forward(self) -> None:
+        self._active += 1
+
+    def exit_forward(self) -> None:
+        self._active -= 1
+
+    def pin(self) -> None:
+        self._pins += 1
+
+    def unpin(self) -> None:
+        self._pins -= 1
+
+    def hold_for_backward(self) -> None:
+        self._pinned_for_backward = True
+
+    def drop_backward_hold(self) -> None:
+        self._pinned_for_backward = False
 
 
 def plan_units(model: torch.nn.Module, group_of: dict[int, int], persistence_threshold: int,
