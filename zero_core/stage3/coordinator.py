@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from zero_core.stage3 import partitioned_params as pp
 from zero_core.stage3.gather import UnitGatherer
 from zero_core.stage3.prefetch import ExecutionTrace
 from zero_core.stage3.units import FetchUnit
@@ -32,6 +33,8 @@ class ParamCoordinator:
         self.units = units
         for u in units:
             u.owner = self   # GatheredParameters finds the coordinator through its units
+            for p in u.params:
+                pp.meta_of(p).owner = self   # reads of released parameters ask this engine
         self.gatherer = gatherer
         self.prefetch_bucket_size = prefetch_bucket_size
         self.max_live = max_live_parameters
@@ -54,6 +57,16 @@ class ParamCoordinator:
     @staticmethod
     def in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
+
+    # ---- the owner of the engine's parameters (partitioned_params.py) ----------------------
+    def running_module(self) -> str | None:
+        """The module whose forward is running in this engine (for error messages)."""
+        return self.module_stack[-1] if self.module_stack else None
+
+    def read_released(self, func, args, kwargs, released):
+        """A torch function read a released parameter of this engine: the error names it
+        and the module running."""
+        raise pp.not_gathered_error(released[0], func)
 
     # ---- requests ------------------------------------------------------------------------
     def request(self, units: list[FetchUnit]) -> None:

@@ -134,7 +134,6 @@ class Stage3Engine(ZeroEngine):
         names = {m: (n or type(model).__name__) for n, m in model.named_modules()}
         self.module_hooks = ModuleHooks(model, self.coordinator, module_units,
                                         lambda p: unit_by_param.get(id(p)), names)
-        pp.running_module_hook = self.module_hooks.running_module
         log.info("stage 3: %d parameters in %d fetch units (%d persistent)",
                  sum(u.numel for u in units), len(units), sum(u.persistent for u in units))
 
@@ -156,8 +155,6 @@ class Stage3Engine(ZeroEngine):
         super().destroy()
         self.coordinator.release_all()
         self.module_hooks.remove()
-        if pp.running_module_hook == self.module_hooks.running_module:
-            pp.running_module_hook = None
 
     # ---- saving --------------------------------------------------------------------------------
     def module_state_dict(self, rank0_only: bool = False) -> dict:

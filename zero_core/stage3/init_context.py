@@ -71,6 +71,7 @@ def partition_own(p: torch.nn.Parameter, name: str, rank: int, world_size: int,
     if lo < hi:
         part[:hi - lo].copy_(values[lo:hi])
     meta.own_part, meta.own_padded = part, padded
+    meta.owner = _INIT_OWNER
     pp.release(p)
     return meta
 
@@ -152,7 +153,6 @@ def _install() -> None:
     if "__init_subclass__" not in torch.nn.Module.__dict__:
         torch.nn.Module.__init_subclass__ = classmethod(_on_subclass)
         _SUBCLASS_HOOK_INSTALLED[0] = True
-    pp.materialize_hook = _materialize
 
 
 def _uninstall() -> None:
@@ -162,7 +162,26 @@ def _uninstall() -> None:
     if _SUBCLASS_HOOK_INSTALLED[0]:
         del torch.nn.Module.__init_subclass__
         _SUBCLASS_HOOK_INSTALLED[0] = False
-    pp.materialize_hook = None
+
+
+class _InitOwner:
+    """The owner (``ParamMeta.owner``, partitioned_params.py) of the parameters Init
+    partitioned, until an engine adopts them: while an Init context is open, a function
+    that reads them runs on their full values (:func:`_materialize`); after, it is the
+    plain error."""
+
+    @staticmethod
+    def read_released(func, args, kwargs, released):
+        if _ACTIVE:
+            return _materialize(func, args, kwargs, released)
+        raise pp.not_gathered_error(released[0], func)
+
+    @staticmethod
+    def running_module() -> None:
+        return None
+
+
+_INIT_OWNER = _InitOwner()
 
 
 def _materialize(func, args, kwargs, released):

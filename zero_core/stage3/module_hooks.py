@@ -164,9 +164,6 @@ class ModuleHooks:
                 for t in tensors:
                     t.register_hook(before_backward)
 
-    def running_module(self) -> str | None:
-        return self.coord.module_stack[-1] if self.coord.module_stack else None
-
     def remove(self) -> None:
         for hs in self._handles.values():
             for h in hs:

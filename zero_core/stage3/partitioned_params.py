@@ -19,11 +19,21 @@ parameter answer with the full shape; ``p.data`` is the empty placeholder.
 
 While a parameter is available, functions pass straight through (one ``isinstance`` per
 argument, no copy).
+
+Who answers a read of a released parameter is the parameter's *owner*
+(``ParamMeta.owner``), never process-wide state, so two engines (or an engine and an
+Init context) in one process do not answer for each other. An owner has two methods:
+``read_released(func, args, kwargs, released)`` returns the function's result or raises,
+and ``running_module()`` names the module whose forward is running (for the error), or
+None. Init owns the parameters it partitioned (init_context.py: it materializes them
+while a context is open); a stage-3 engine's ParamCoordinator owns its model's
+(coordinator.py: the error names the engine's running module). Without an owner, reading
+is the plain error.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -43,6 +53,7 @@ class ParamMeta:
     ``offset``: where it starts in the unit's gathered flat buffer (elements).
     ``own_part``: before an engine owns it (built under Init), this rank's slice of the
     parameter's own padded flat values; ``own_padded``: that padded length.
+    ``owner``: who answers a read while it is released (see the module docstring).
     """
 
     name: str
@@ -54,6 +65,7 @@ class ParamMeta:
     offset: int = 0
     own_part: torch.Tensor | None = None
     own_padded: int = 0
+    owner: Any = None
     extra: dict = field(default_factory=dict)
 
 
@@ -82,12 +94,6 @@ def _shape_answers():
 
 
 _SHAPE_ANSWERS = _shape_answers()
-
-#: set by init_context while Init is constructing a model: (func, args, kwargs, released
-#: params) -> result; None otherwise
-materialize_hook: Callable | None = None
-#: set by the stage-3 engine: () -> name of the module whose forward is running, or None
-running_module_hook: Callable[[], str | None] | None = None
 
 
 def _released_in(args, kwargs) -> list:
@@ -125,8 +131,9 @@ class PartitionedParameter(torch.nn.Parameter):
                 return answer(released[0]._zc, args)
             name = getattr(func, "__name__", "")
             if name not in ("__get__", "__set__", "__delete__") and name not in _METADATA_METHODS:
-                if materialize_hook is not None:
-                    return materialize_hook(func, args, kwargs, released)
+                owner = released[0]._zc.owner
+                if owner is not None:
+                    return owner.read_released(func, args, kwargs, released)
                 raise not_gathered_error(released[0], func)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -149,7 +156,7 @@ def function_name(func) -> str:
 def not_gathered_error(p: "PartitionedParameter", func) -> ParameterNotGatheredError:
     """The error for reading released parameter *p* through *func*."""
     meta: ParamMeta = p._zc
-    running = running_module_hook() if running_module_hook is not None else None
+    running = meta.owner.running_module() if meta.owner is not None else None
     where = (f"inside the forward of module '{running}'" if running is not None
              else "outside any module's forward")
     module_hint = (f"<module '{running}'>" if running is not None
