@@ -4,10 +4,11 @@
 set        backed by (first that is present)
 =========  ==================================================================================
 reference  ``accel_kernels.optim_reference`` — pure torch, any device
-cpu        ``accel_kernels.optim_cpu``; else the reference kernels
-cuda       ``accel_kernels.optim_triton`` when triton is installed; else torch's own fused
-           ops (``torch._fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_``)
-xpu        as cuda (Triton has an XPU backend; torch's fused ops have XPU kernels)
+cpu        ``accel_kernels.optim_cpu`` (torch's fused ops on CPU tensors, through
+           ``accel_kernels.optim_fused``); else the reference kernels
+cuda       ``accel_kernels.optim_fused``: torch's own fused ops (``torch._fused_adam_`` /
+           ``_fused_adamw_`` / ``_fused_sgd_``); else the reference kernels
+xpu        as cuda (torch's fused ops have XPU kernels)
 hpu        ``accel_kernels.optim_hpu`` (Habana's fused optimizers,
            ``habana_frameworks.torch.hpex.optimizers.FusedAdamW`` / ``FusedSGD``) when
            habana_frameworks is installed; else the reference kernels
@@ -22,8 +23,9 @@ fallback of the others); ``info["quantize"]`` names the module, and for ``quant_
 ``info["quantize_native_missing"]``: why not native). The engine reaches them only
 through ``runtime.kernels.extra``.
 
-Each KernelSet's ``info`` names the functions that back it and, for a fallback, why;
-``zero-core report`` prints it. Modules that need a vendor library (triton,
+There is no Triton optimizer kernel: torch's fused ops already read and write each buffer
+once per step. Each KernelSet's ``info`` names the functions that back it and, for a
+fallback, why; ``zero-core report`` prints it. Modules that need a vendor library (triton,
 habana_frameworks) are only located here and imported on the first call, so registering
 the kernel sets costs nothing on machines without that library.
 """
@@ -44,9 +46,8 @@ PACKAGE = "zero_core.accel_kernels"
 # Module names of the kernel families, one place to change if a kernel module is renamed.
 REFERENCE = f"{PACKAGE}.optim_reference"
 CPU = f"{PACKAGE}.optim_cpu"
-TRITON = f"{PACKAGE}.optim_triton"
+FUSED = f"{PACKAGE}.optim_fused"
 HPU = f"{PACKAGE}.optim_hpu"
-CHECKS = f"{PACKAGE}.optim_checks"
 QUANT_REFERENCE = f"{PACKAGE}.quant_reference"
 QUANT_CPU = f"{PACKAGE}.quant_cpu"
 QUANT_TRITON = f"{PACKAGE}.quant_triton"
@@ -109,50 +110,8 @@ def _names(module: str) -> dict:
     return {"adam_step": f"{module}.adam_step", "sgd_step": f"{module}.sgd_step"}
 
 
-# ---- torch's fused optimizer ops, adapted to the kernel signatures of zero_core.interfaces.kernels ---
-def _checks():
-    return importlib.import_module(CHECKS)
-
-
-def torch_fused_adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps,
-                          weight_decay, step, adamw, bias_correction=True, param_lowp=None):
-    """Adam/AdamW through ``torch._fused_adam_`` / ``torch._fused_adamw_`` (one fused pass
-    on CUDA, XPU and CPU). Those ops always bias-correct, so ``bias_correction=False``
-    runs the reference kernel instead. *lr* in parameter units per step; *step* 1-based."""
-    if not bias_correction:
-        return importlib.import_module(REFERENCE).adam_step(
-            param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, step=step, adamw=adamw, bias_correction=False,
-            param_lowp=param_lowp)
-    _checks().check_adam_args(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1,
-                              beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-                              param_lowp=param_lowp)
-    op = torch._fused_adamw_ if adamw else torch._fused_adam_
-    # the op reads the step count (after this update) from a float tensor on the device
-    step_t = torch.tensor(float(step), dtype=torch.float32, device=param.device)
-    op([param], [grad], [exp_avg], [exp_avg_sq], [], [step_t], lr=float(lr),
-       beta1=float(beta1), beta2=float(beta2), weight_decay=float(weight_decay),
-       eps=float(eps), amsgrad=False, maximize=False)
-    if param_lowp is not None:
-        param_lowp.copy_(param)
-
-
-def torch_fused_sgd_step(param, grad, momentum_buffer, *, lr, momentum, dampening,
-                         weight_decay, nesterov, first_step, param_lowp=None):
-    """SGD (torch.optim.SGD semantics) through ``torch._fused_sgd_``; *momentum_buffer*
-    is ignored (may be None) when momentum is 0."""
-    _checks().check_sgd_args(param, grad, momentum_buffer, lr=lr, momentum=momentum,
-                             dampening=dampening, weight_decay=weight_decay,
-                             nesterov=nesterov, param_lowp=param_lowp)
-    buffers = [momentum_buffer] if momentum != 0 else []
-    torch._fused_sgd_([param], [grad], buffers, weight_decay=float(weight_decay),
-                      momentum=float(momentum), lr=float(lr), dampening=float(dampening),
-                      nesterov=bool(nesterov), maximize=False, is_first_step=bool(first_step))
-    if param_lowp is not None:
-        param_lowp.copy_(param)
-
-
 def _torch_fused_available() -> bool:
+    """Whether this torch has the fused optimizer ops that ``optim_fused`` wraps."""
     return all(hasattr(torch, op) for op in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_"))
 
 
@@ -196,21 +155,15 @@ def _reference_set(name: str, reference, **info) -> KernelSet:
 
 
 def _device_set(name: str, reference) -> KernelSet:
-    """The cuda/xpu set: Triton kernels when present, else torch's fused ops."""
-    if module_present(TRITON) and module_present("triton"):
-        return KernelSet(name, LazyKernel(TRITON, "adam_step"), LazyKernel(TRITON, "sgd_step"),
-                         info={"implementation": "triton", **_names(TRITON)})
-    why = (f"{TRITON} does not exist yet" if not module_present(TRITON)
-           else "triton is not installed (pip install 'zero-core[triton]')")
-    if _torch_fused_available():
-        return KernelSet(name, torch_fused_adam_step, torch_fused_sgd_step, info={
-            "implementation": TORCH_FUSED,
-            "adam_step": f"{__name__}.torch_fused_adam_step",
-            "sgd_step": f"{__name__}.torch_fused_sgd_step",
-            "why_not_triton": why,
-            "note": "bias_correction=False runs the reference Adam (the fused ops always correct)"})
-    return _reference_set(name, reference, fallback_reason=f"{why}; torch {torch.__version__} "
-                          f"has no fused optimizer ops")
+    """The cuda/xpu set: torch's fused ops through ``optim_fused``, else the reference."""
+    if not _torch_fused_available():
+        return _reference_set(name, reference, fallback_reason=f"torch {torch.__version__} "
+                              f"has no fused optimizer ops")
+    fused, why = _import_kernels(FUSED)
+    if fused is None:
+        return _reference_set(name, reference, fallback_reason=why)
+    return KernelSet(name, fused.adam_step, fused.sgd_step,
+                     info={"implementation": TORCH_FUSED, **_names(FUSED)})
 
 
 def builtin_kernel_sets() -> list[KernelSet]:

@@ -27,10 +27,12 @@ import math
 import pytest
 import torch
 
-from zero_core.accel_kernels import optim_cpu, optim_reference
+from zero_core.accel_kernels import optim_cpu, optim_fused, optim_reference
 
-KERNELS = [optim_reference, optim_cpu]
-IDS = ["reference", "cpu"]
+# optim_fused (the cuda/xpu kernel sets) runs on CPU tensors too: torch's fused ops have
+# CPU kernels, so its bias_correction handling is checked here on fresh random inputs
+KERNELS = [optim_reference, optim_cpu, optim_fused]
+IDS = ["reference", "cpu", "fused"]
 SIZES = [1, 7, 1023, 4099]
 ULP = 2.0 ** -23
 STEP_ULPS = 16
