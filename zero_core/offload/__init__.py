@@ -22,6 +22,8 @@ Where things are:
 How the engines use it: ``ZeroEngine`` builds :class:`OffloadedOptimizer` instead of the
 ``PartitionedOptimizer`` when ``zero_optimization.offload_optimizer.device`` is not
 ``"none"``; the stage-3 engine asks :func:`zero_core.offload.params.build_param_offload`
-for its group buffers and for the gatherer's partition source.
+for the parameter store it hands to its group buffers, its gatherer (the partition
+source) and the optimizer. Nothing here imports ``zero_core.stage3``: the engines import
+offload/, never the reverse (the contracts are in ``zero_core/interfaces/engine_parts.py``).
 """
 from zero_core.offload.errors import OffloadError  # noqa: F401

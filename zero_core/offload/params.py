@@ -14,13 +14,25 @@ compute dtype and all-gathers a unit around each use. With parameter offload:
   are also kept in host memory and never read from disk. After the optimizer step, each
   unit's new values are written (write-behind) and read-aheads are dropped (stale).
 
-The gatherer (stage3/gather.py) calls ``fetch(u)`` for the partition to all-gather from,
-``fetched(u)`` when that collective finished (the staging buffer is free again), and
-``write_unit(u, values)`` when GatheredParameters modified the unit. The offloaded
+:class:`ParamOffload` is the parameter store of
+:class:`~zero_core.interfaces.engine_parts.ParamStoreProtocol`. The gatherer
+(stage3/gather.py) calls ``fetch(u)`` for the partition to all-gather from, ``fetched(u)``
+when that collective finished (the staging buffer is free again), and ``write_unit(u,
+values)`` when GatheredParameters modified the unit. The stage-3 group buffers
+(``OffloadedStage3GroupBuffers``, stage3/buffers.py) get each group's storage from
+``place_group`` and store the first values with ``write_initial``. The offloaded
 optimizer calls ``write_piece`` with updated fp32 values and ``flush`` at the end of the
 step. Parameter offload needs the optimizer offloaded too (the master weights must not be
 the parameter partitions), and is not combined with ZeRO++ (which gathers from ``u.part``
 itself).
+
+Which way the imports go: this module imports nothing of ``zero_core.stage3``; the stage-3
+engine (the composition root) imports it, builds the store and hands it to its group
+buffers, its gatherer and the optimizer. offload/ is storage that both engines use (the
+stage 0-2 engine imports offload/optimizer.py the same way) and stage 3 decides when to
+fetch, so the arrow points from the user to the storage; a fetch unit is used here only
+through the members ParamSourceProtocol lists (``index``, ``part``, ``released``,
+``wait_collective()``) and a group through UnitBuffersProtocol (``units``, ``layout``).
 
 Checkpoints read and write ``param_buf`` as a memory map of the file (nvme), like the
 optimizer states; the CRCs and host copies are refreshed before the next fetch.
@@ -34,10 +46,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from zero_core.errors import ConfigError
+from zero_core.interfaces.engine_parts import ParamStoreProtocol
 from zero_core.partitioning.flat_buffer import FlatBuffer
-from zero_core.partitioning.layout import alignment_for
-from zero_core.stage3.buffers import Stage3GroupBuffers
-from zero_core.stage3.units import unit_layout
 from zero_core.offload.cleanup import rank_directory, unique_prefix
 from zero_core.offload.swap_file import SwapFile, aligned_empty
 
@@ -60,7 +70,7 @@ class _MappedParams(FlatBuffer):
 TRANSFER = "offload_param"
 
 
-class ParamOffload:
+class ParamOffload(ParamStoreProtocol):
     """Where stage 3's parameter partitions live when ``offload_param`` is on."""
 
     #: the attributes that hold host memory (zero_core.device_audit); the others refer to
@@ -95,25 +105,19 @@ class ParamOffload:
         self._io = ThreadPoolExecutor(1, thread_name_prefix="zero-core-param-swap") if self.nvme else None
 
     # ---- construction ---------------------------------------------------------------------
-    def group_buffers(self, units, trainable, compute_dtype, device, rank, world_size, ledger,
-                      full_values):
-        """Stage3GroupBuffers whose parameter partitions live here (same signature)."""
-        return OffloadedStage3GroupBuffers(units, trainable, compute_dtype, device, rank,
-                                           world_size, ledger, full_values, self)
-
-    def add_group(self, gb: "OffloadedStage3GroupBuffers") -> None:
-        """Create the storage of one group's partitions (called by the group buffers)."""
-        lay = gb.layout
-        for k, u in enumerate(gb.units):
+    def place_group(self, lay, units) -> tuple[FlatBuffer, list[torch.Tensor]]:
+        """Create the storage of one group's partitions (*lay*: the group's unit layout,
+        bucket k = ``units[k]``); returns its ``param_buf`` and each unit's ``part`` (a
+        view of host memory, or an empty placeholder with the dtype and device when the
+        values are in a file)."""
+        for u in units:
             self.units_by_index[u.index] = u
         if not self.nvme:
-            gb.param_buf = FlatBuffer(lay, "partition", self.dtype, torch.device("cpu"), self.rank)
+            param_buf = FlatBuffer(lay, "partition", self.dtype, torch.device("cpu"), self.rank)
             if self.cfg.pin_memory:
-                gb.param_buf.data = self.accelerator.pin_memory(gb.param_buf.data)
-            self.partitions.append(gb.param_buf.data)
-            for k, u in enumerate(gb.units):
-                u.part = gb.param_buf.bucket(k)
-            return
+                param_buf.data = self.accelerator.pin_memory(param_buf.data)
+            self.partitions.append(param_buf.data)
+            return param_buf, [param_buf.bucket(k) for k in range(len(units))]
         gid = len(self.files)
         bounds = [(lay.partition_start(k), lay.shard_size(k)) for k in range(lay.num_buckets)]
         path = f"{self.directory}/{self._prefix}group{gid}.swap"
@@ -131,14 +135,14 @@ class ParamOffload:
                 t = self.accelerator.pin_memory(t)
             self._buffers.append(t)
             self._free.append(t)
-        gb.param_buf = _MappedParams(lay, self.rank, self, gid)
         placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
-        for k, u in enumerate(gb.units):
+        for k, u in enumerate(units):
             self._group_of[id(u)] = (gid, k)
-            u.part = placeholder    # dtype/device only: the values are in the file
             if self._cached_numel + bounds[k][1] <= self.cfg.max_in_cpu:
                 self._cache[id(u)] = torch.zeros(bounds[k][1], dtype=self.dtype)
                 self._cached_numel += bounds[k][1]
+        # the parts: dtype/device only, the values are in the file
+        return _MappedParams(lay, self.rank, self, gid), [placeholder] * len(units)
 
     def write_initial(self, u, values: torch.Tensor) -> None:
         """Store unit *u*'s first partition values (any float dtype), synchronously."""
@@ -372,46 +376,6 @@ class ParamOffload:
             self._io.shutdown(wait=True)
         for f in self.files:
             f.close()
-
-
-class OffloadedStage3GroupBuffers(Stage3GroupBuffers):
-    """Stage3GroupBuffers whose parameter partitions are held by a :class:`ParamOffload`:
-    built one unit at a time, so that a rank never holds its whole partition in memory
-    (mixed precision keeps a host fp32 master until the offloaded optimizer took it)."""
-
-    def __init__(self, units, trainable, compute_dtype, device, rank, world_size, ledger,
-                 full_values, store: ParamOffload):
-        self.units = units
-        self.trainable = trainable
-        self.mixed = trainable and compute_dtype != torch.float32
-        self.rank, self.world_size = rank, world_size
-        elem = torch.empty((), dtype=compute_dtype).element_size()
-        self.layout = unit_layout(units, world_size, alignment_for(elem))
-        self.params = [p for u in units for p in u.params]
-        self.master = self.grad_part = None
-        if self.mixed:
-            # handed to the offloaded optimizer's store, then dropped (engine order)
-            self.master = FlatBuffer(self.layout, "partition", torch.float32,
-                                     torch.device("cpu"), rank)
-        store.add_group(self)
-        for k, u in enumerate(units):
-            u.master_part = self.master.bucket(k) if self.master is not None else None
-            full = full_values(u)
-            shard = u.padded_numel // world_size
-            mine = full.narrow(0, rank * shard, shard)
-            store.write_initial(u, mine)
-            if u.master_part is not None:
-                u.master_part.copy_(mine)
-            del full, mine
-        if trainable:
-            # after the units: the model's own copy is released unit by unit above
-            self.grad_part = FlatBuffer(self.layout, "partition", compute_dtype, device, rank)
-            ledger.track("gradients", self.grad_part.data)
-            for k, u in enumerate(units):
-                u.grad_part = self.grad_part.bucket(k)
-        else:
-            for u in units:
-                u.grad_part = None
 
 
 def build_param_offload(engine) -> ParamOffload | None:

@@ -13,6 +13,11 @@ The layout is :func:`~zero_core.stage3.units.unit_layout` (bucket k = unit k), a
 class answers the same questions as stage 1-2's GroupBuffers (``master_bucket``,
 ``reduced_grad_bucket``, ...), so :class:`~zero_core.optim.partitioned.PartitionedOptimizer`
 steps stage-3 partitions with the same kernels and loss-scale/clipping factor.
+
+:class:`OffloadedStage3GroupBuffers` is the same group with its parameter partitions in
+a parameter store (``offload_param``: host memory or swap files, zero_core/offload/params.py),
+met through :class:`~zero_core.interfaces.engine_parts.ParamStoreProtocol` — this module
+imports nothing of offload/.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from zero_core.interfaces.engine_parts import UnitBuffersProtocol
+from zero_core.interfaces.engine_parts import ParamStoreProtocol, UnitBuffersProtocol
 from zero_core.partitioning.flat_buffer import FlatBuffer
 from zero_core.memory import MemoryLedger
 from zero_core.partitioning.layout import alignment_for
@@ -30,12 +35,20 @@ from zero_core.stage3.units import FetchUnit, unit_layout
 class Stage3GroupBuffers(UnitBuffersProtocol):
     """Flat partitions of the fetch units *units* of one group. *full_values(unit)*
     returns the unit's padded flat values in fp32 (on every rank), one unit at a time, so
-    that building never holds more than one unit in full."""
+    that building never holds more than one unit in full.
+
+    Building goes in this order, each step a method a subclass may replace: the
+    parameter partitions (:meth:`_place_parameters`), the fp32 master
+    (:meth:`_place_master`, mixed precision), the gradient accumulator
+    (:meth:`_place_gradients`; after the units when ``GRADIENTS_AFTER_VALUES``), then
+    every unit's values (:meth:`_store_initial`)."""
 
     #: this rank updates its partition of every unit, in place: nothing is gathered after
     #: the step (the next use gathers the new values)
     state_kind = "partition"
     gathers_after_step = False
+    #: allocate the gradient accumulator only once every unit's values are stored
+    GRADIENTS_AFTER_VALUES = False
 
     def __init__(self, units: list[FetchUnit], trainable: bool, compute_dtype: torch.dtype,
                  device: torch.device, rank: int, world_size: int, ledger: MemoryLedger,
@@ -47,26 +60,46 @@ class Stage3GroupBuffers(UnitBuffersProtocol):
         elem = torch.empty((), dtype=compute_dtype).element_size()
         self.layout = unit_layout(units, world_size, alignment_for(elem))
         self.params = [p for u in units for p in u.params]
-        self.param_buf = FlatBuffer(self.layout, "partition", compute_dtype, device, rank)
-        ledger.track("parameters" if trainable else "frozen_parameters", self.param_buf.data)
         self.master = self.grad_part = None
+        parts = self._place_parameters(compute_dtype, device, ledger)
         if self.mixed:
-            self.master = FlatBuffer(self.layout, "partition", torch.float32, device, rank)
-            ledger.track("master_weights", self.master.data)
-        if trainable:
-            self.grad_part = FlatBuffer(self.layout, "partition", compute_dtype, device, rank)
-            ledger.track("gradients", self.grad_part.data)
+            self.master = self._place_master(device, ledger)
+        if trainable and not self.GRADIENTS_AFTER_VALUES:
+            self._place_gradients(compute_dtype, device, ledger)
         for k, u in enumerate(units):
-            u.part = self.param_buf.bucket(k)
-            u.grad_part = self.grad_part.bucket(k) if trainable else None
+            u.part = parts[k]
             u.master_part = self.master.bucket(k) if self.master is not None else None
             full = full_values(u)
             shard = u.padded_numel // world_size
             mine = full.narrow(0, rank * shard, shard)
-            u.part.copy_(mine)
+            self._store_initial(u, mine)
             if u.master_part is not None:
                 u.master_part.copy_(mine)
             del full, mine
+        if trainable and self.GRADIENTS_AFTER_VALUES:
+            self._place_gradients(compute_dtype, device, ledger)
+        for k, u in enumerate(units):
+            u.grad_part = self.grad_part.bucket(k) if trainable else None
+
+    # ---- where the partitions live (OffloadedStage3GroupBuffers replaces these) -----------
+    def _place_parameters(self, compute_dtype, device, ledger) -> list[torch.Tensor]:
+        """Allocate ``param_buf``; returns each unit's ``part``."""
+        self.param_buf = FlatBuffer(self.layout, "partition", compute_dtype, device, self.rank)
+        ledger.track("parameters" if self.trainable else "frozen_parameters", self.param_buf.data)
+        return [self.param_buf.bucket(k) for k in range(self.layout.num_buckets)]
+
+    def _place_master(self, device, ledger) -> FlatBuffer:
+        master = FlatBuffer(self.layout, "partition", torch.float32, device, self.rank)
+        ledger.track("master_weights", master.data)
+        return master
+
+    def _place_gradients(self, compute_dtype, device, ledger) -> None:
+        self.grad_part = FlatBuffer(self.layout, "partition", compute_dtype, device, self.rank)
+        ledger.track("gradients", self.grad_part.data)
+
+    def _store_initial(self, u: FetchUnit, values: torch.Tensor) -> None:
+        """Unit *u*'s first partition values."""
+        u.part.copy_(values)
 
     # ---- what PartitionedOptimizer and the engine ask ------------------------------------
     @property
@@ -95,3 +128,30 @@ class Stage3GroupBuffers(UnitBuffersProtocol):
         self.master = master
         for k, u in enumerate(self.units):
             u.master_part = unit_master(k)
+
+
+class OffloadedStage3GroupBuffers(Stage3GroupBuffers):
+    """Stage3GroupBuffers whose parameter partitions are held by *store* (the engine's
+    ``ParamOffload``): built one unit at a time, so that a rank never holds its whole
+    partition in memory (mixed precision keeps a host fp32 master until the offloaded
+    optimizer took it, ``replace_master``). Only the gradient accumulator is on the
+    device, allocated after the units (the model's own copy is released unit by unit)."""
+
+    GRADIENTS_AFTER_VALUES = True
+
+    def __init__(self, units, trainable, compute_dtype, device, rank, world_size, ledger,
+                 full_values, store: ParamStoreProtocol):
+        self.store = store
+        super().__init__(units, trainable, compute_dtype, device, rank, world_size, ledger,
+                         full_values)
+
+    def _place_parameters(self, compute_dtype, device, ledger) -> list[torch.Tensor]:
+        self.param_buf, parts = self.store.place_group(self.layout, self.units)
+        return parts
+
+    def _place_master(self, device, ledger) -> FlatBuffer:
+        # handed to the offloaded optimizer's store, then dropped (engine order)
+        return FlatBuffer(self.layout, "partition", torch.float32, torch.device("cpu"), self.rank)
+
+    def _store_initial(self, u: FetchUnit, values: torch.Tensor) -> None:
+        self.store.write_initial(u, values)

@@ -29,7 +29,7 @@ from zero_core.stage0to2.engine import ZeroEngine
 from zero_core.model_sync import broadcast_buffers, check_parameters_match
 from zero_core.placement import move_module, move_parameter, set_data
 from zero_core.stage3 import partitioned_params as pp
-from zero_core.stage3.buffers import Stage3GroupBuffers
+from zero_core.stage3.buffers import OffloadedStage3GroupBuffers, Stage3GroupBuffers
 from zero_core.stage3.coordinator import ParamCoordinator
 from zero_core.stage3.gather import UnitGatherer
 from zero_core.stage3.grad_reduce import Stage3GradReducer
@@ -97,8 +97,12 @@ class Stage3Engine(ZeroEngine):
         # offload_param (zero_core/offload/params.py): partitions in host memory or files
         from zero_core.offload.params import build_param_offload
         self.param_offload = build_param_offload(self)
-        make_buffers = (self.param_offload.group_buffers if self.param_offload is not None
-                        else Stage3GroupBuffers)
+        store = self.param_offload
+
+        def make_buffers(*args):
+            if store is None:
+                return Stage3GroupBuffers(*args)
+            return OffloadedStage3GroupBuffers(*args, store=store)
         self._buffers = []
         for g in range(len(groups)):
             mine = [u for u in units if u.group == g]

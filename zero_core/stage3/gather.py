@@ -10,6 +10,12 @@ Autograd would hold views of it from forward to backward (``F.linear`` saves
 release frees the buffer. ``live_storage`` maps the storage address of every gathered
 buffer to its unit for that purpose.
 
+Parameter source: the partition to all-gather from comes from a
+:class:`~zero_core.interfaces.engine_parts.ParamSourceProtocol` — :class:`ResidentPartitions`
+(``unit.part`` in device memory) unless ``offload_param`` hands the engine's
+``ParamOffload`` (zero_core/offload/params.py), which stages it from host memory or a
+swap file; ``fetched(u)`` tells the source when the collective no longer reads it.
+
 Strategy hook: with a *strategy* (ZeRO++, zero_core/zeropp), ``strategy.launch(u,
 for_compute)`` returns ``(full, handle)`` instead of the plain all-gather (``for_compute``
 is true while the coordinator gathers for forward/backward, when a lossy quantized copy
@@ -27,20 +33,34 @@ from contextlib import contextmanager
 import torch
 
 from zero_core.interfaces.communicator import Communicator
+from zero_core.interfaces.engine_parts import ParamSourceProtocol
 from zero_core.stage3 import partitioned_params as pp
 from zero_core.stage3.units import FetchUnit, UnitState
 
 
+class ResidentPartitions(ParamSourceProtocol):
+    """The parameter source without offload: a unit's partition is ``unit.part``, in the
+    device memory of the group buffers (stage3/buffers.py); nothing is staged."""
+
+    def fetch(self, u: FetchUnit) -> torch.Tensor:
+        return u.part
+
+    def fetched(self, u: FetchUnit) -> None:
+        pass
+
+    def write_unit(self, u: FetchUnit, values: torch.Tensor) -> None:
+        u.part.copy_(values)
+
+
 class UnitGatherer:
-    """Gathers and releases fetch units over *comm* (world group)."""
+    """Gathers and releases fetch units over *comm* (world group), from *part_source*
+    (default: :class:`ResidentPartitions`)."""
 
     def __init__(self, comm: Communicator, compute_dtype: torch.dtype, device: torch.device,
-                 strategy=None, part_source=None):
+                 strategy=None, part_source: ParamSourceProtocol | None = None):
         self.comm, self.dtype, self.device = comm, compute_dtype, device
         self.strategy = strategy   # see the module docstring; None: plain all-gather
-        # offload_param (zero_core/offload/params.py): fetch(u) gives the partition to
-        # gather from, fetched(u) frees it, write_unit(u, values) stores modified values
-        self.part_source = part_source
+        self.part_source = part_source if part_source is not None else ResidentPartitions()
         self.for_compute = False
         self.live_numel = 0
         self.peak_live_numel = 0
@@ -70,22 +90,15 @@ class UnitGatherer:
             return
         if self.strategy is not None:
             full, handle = self.strategy.launch(u, self.for_compute)
-        elif self.part_source is not None:
-            part = self.part_source.fetch(u)
-            full = torch.empty(u.padded_numel, dtype=part.dtype, device=self.device)
+        else:
+            part = self.part_source.fetch(u)   # on the compute device
+            full = torch.empty(u.padded_numel, dtype=part.dtype, device=part.device)
             if self.comm.world_size == 1:
                 full.copy_(part)
                 handle = None
                 self.part_source.fetched(u)
             else:
                 handle = self.comm.all_gather_into(full, part, async_op=True)
-        elif self.comm.world_size == 1:
-            full = torch.empty(u.padded_numel, dtype=u.part.dtype, device=u.part.device)
-            full.copy_(u.part)
-            handle = None
-        else:
-            full = torch.empty(u.padded_numel, dtype=u.part.dtype, device=u.part.device)
-            handle = self.comm.all_gather_into(full, u.part, async_op=True)
         u.mark_inflight(full, handle)
         self.gathers += 1
         self._count(u, +1)
@@ -97,8 +110,7 @@ class UnitGatherer:
         if u.released:
             self.start(u)
         u.wait_collective()
-        if self.part_source is not None:
-            self.part_source.fetched(u)
+        self.part_source.fetched(u)
         full = u.full
         for p, off in zip(u.params, u.offsets):
             meta = pp.meta_of(p)
@@ -121,8 +133,7 @@ class UnitGatherer:
         if u.released:
             return
         u.wait_collective()
-        if self.part_source is not None:
-            self.part_source.fetched(u)
+        self.part_source.fetched(u)
         for p in u.params:
             pp.release(p)
         if u.full is not None:
@@ -138,9 +149,6 @@ class UnitGatherer:
             return
         shard = u.padded_numel // self.comm.world_size
         mine = u.full.narrow(0, self.comm.rank * shard, shard)
-        if self.part_source is not None:
-            self.part_source.write_unit(u, mine)
-        else:
-            u.part.copy_(mine)
+        self.part_source.write_unit(u, mine)
         if u.master_part is not None:
             u.master_part.copy_(mine)
