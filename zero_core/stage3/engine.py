@@ -56,6 +56,23 @@ class Stage3Engine(ZeroEngine):
             move_parameter(p, self.device)
 
     def _build_buffers(self, model, groups):
+        """ZeroEngine's hook: everything stage 3 holds besides the optimizer and reducer,
+        built in this order, each part by the method named after it."""
+        self.units, module_units = self._plan_fetch_units(model, groups)
+        self.param_offload = self._build_param_offload()
+        self._buffers, self._frozen_buffers = self._build_group_buffers(len(groups))
+        self._cast_model_buffers(model)
+        self.zeropp = self._build_zeropp()
+        self.gatherer = self._build_gatherer()
+        self.coordinator = self._build_coordinator()
+        self.module_hooks = self._build_module_hooks(model, module_units)
+        units = self.units
+        log.info("stage 3: %d parameters in %d fetch units (%d persistent)",
+                 sum(u.numel for u in units), len(units), sum(u.persistent for u in units))
+
+    def _plan_fetch_units(self, model, groups):
+        """The fetch units of every parameter (units.py: by optimizer group, FROZEN for
+        the untrained ones) and the units each module's forward needs."""
         self._registration = {}
         for p in model.parameters():
             self._registration.setdefault(id(p), len(self._registration))
@@ -69,77 +86,89 @@ class Stage3Engine(ZeroEngine):
                               "requires_grad=False (or model_parameters is empty)")
         zc = self.config.zero_optimization
         target = coalesce_numel(zc.stage3_prefetch_bucket_size, zc.reduce_bucket_size)
-        units, module_units = plan_units(model, group_of, zc.stage3_param_persistence_threshold,
-                                         target)
-        self.units = units
-        dtype = self.compute_dtype
+        return plan_units(model, group_of, zc.stage3_param_persistence_threshold, target)
 
-        def full_values(u):
-            # the unit's padded flat values in fp32; its parameters are released afterwards,
-            # so that building never holds more than the model once plus one unit
-            flat = torch.zeros(u.padded_numel, dtype=torch.float32, device=self.device)
-            for p, off, name in zip(u.params, u.offsets, u.names):
-                n = p.numel()
-                if pp.is_partitioned(p):
-                    src = gather_own(p, self.comm).narrow(0, 0, n)
-                else:
-                    src = p.data.reshape(-1)
-                flat.narrow(0, off, n).copy_(src)
-                meta = pp.mark_partitioned(p, name)
-                meta.name, meta.unit, meta.offset, meta.dtype = name, u, off, dtype
-                meta.own_part = None
-                meta.available = True
-                set_data(p, torch.empty(0, dtype=dtype, device=self.device))
-                meta.available = False
-            return flat
-
-        ledger = self.memory_ledger
-        # offload_param (zero_core/offload/params.py): partitions in host memory or files
+    def _build_param_offload(self):
+        """offload_param (zero_core/offload/params.py): the store of the parameter
+        partitions in host memory or files, or None. The only import of offload/ in
+        stage 3: the engine composes the store with the buffers, gatherer and optimizer."""
         from zero_core.offload.params import build_param_offload
-        self.param_offload = build_param_offload(self)
-        store = self.param_offload
+        return build_param_offload(self)
 
-        def make_buffers(*args):
-            if store is None:
-                return Stage3GroupBuffers(*args)
-            return OffloadedStage3GroupBuffers(*args, store=store)
-        self._buffers = []
-        for g in range(len(groups)):
-            mine = [u for u in units if u.group == g]
-            self._buffers.append(None if not mine else make_buffers(
-                mine, True, dtype, self.device, self.global_rank, self.world_size, ledger,
-                full_values))
-        frozen = [u for u in units if u.group == FROZEN]
-        self._frozen_buffers = (make_buffers(
-            frozen, False, dtype, self.device, self.global_rank, self.world_size, ledger,
-            full_values) if frozen else None)
+    def _build_group_buffers(self, num_groups: int):
+        """The flat partitions of each trainable group (None for a group without units),
+        and of the frozen units (or None)."""
+        buffers = []
+        for g in range(num_groups):
+            mine = [u for u in self.units if u.group == g]
+            buffers.append(self._group_buffers(mine, True) if mine else None)
+        frozen = [u for u in self.units if u.group == FROZEN]
+        return buffers, (self._group_buffers(frozen, False) if frozen else None)
+
+    def _group_buffers(self, units, trainable: bool):
+        args = (units, trainable, self.compute_dtype, self.device, self.global_rank,
+                self.world_size, self.memory_ledger, self._unit_values)
+        if self.param_offload is None:
+            return Stage3GroupBuffers(*args)
+        return OffloadedStage3GroupBuffers(*args, store=self.param_offload)
+
+    def _unit_values(self, u):
+        """The unit's padded flat values in fp32; its parameters are released afterwards,
+        so that building never holds more than the model once plus one unit."""
+        dtype = self.compute_dtype
+        flat = torch.zeros(u.padded_numel, dtype=torch.float32, device=self.device)
+        for p, off, name in zip(u.params, u.offsets, u.names):
+            n = p.numel()
+            if pp.is_partitioned(p):
+                src = gather_own(p, self.comm).narrow(0, 0, n)
+            else:
+                src = p.data.reshape(-1)
+            flat.narrow(0, off, n).copy_(src)
+            meta = pp.mark_partitioned(p, name)
+            meta.name, meta.unit, meta.offset, meta.dtype = name, u, off, dtype
+            meta.own_part = None
+            meta.available = True
+            set_data(p, torch.empty(0, dtype=dtype, device=self.device))
+            meta.available = False
+        return flat
+
+    def _cast_model_buffers(self, model) -> None:
+        """The model's floating buffers in the compute dtype, counted by the ledger."""
+        dtype = self.compute_dtype
         if dtype != torch.float32:
             for m in model.modules():
                 for key, b in m._buffers.items():
                     if b is not None and b.is_floating_point():
                         m._buffers[key] = b.to(dtype)
         for b in model.buffers():
-            ledger.track("buffers", b)
+            self.memory_ledger.track("buffers", b)
 
-        # ZeRO++ (zero_core/zeropp): how units are gathered and reduced, when configured
+    def _build_zeropp(self):
+        """ZeRO++ (zero_core/zeropp): how units are gathered and reduced, or None."""
         from zero_core.zeropp import build_zeropp
-        self.zeropp = build_zeropp(self, units)
-        self.gatherer = UnitGatherer(self.comm, dtype, self.device,
-                                     strategy=self.zeropp.fetch if self.zeropp else None,
-                                     part_source=self.param_offload)
-        self.coordinator = ParamCoordinator(
-            units, self.gatherer, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
-            zc.stage3_max_reuse_distance)
-        for u in units:
-            u.owner = self.coordinator
+        return build_zeropp(self, self.units)
+
+    def _build_gatherer(self) -> UnitGatherer:
+        return UnitGatherer(self.comm, self.compute_dtype, self.device,
+                            strategy=self.zeropp.fetch if self.zeropp else None,
+                            part_source=self.param_offload)
+
+    def _build_coordinator(self) -> ParamCoordinator:
+        """The gather/prefetch/release policy (it adopts the units and their parameters);
+        the parameter offload reads ahead along its recorded order."""
+        zc = self.config.zero_optimization
+        coordinator = ParamCoordinator(
+            self.units, self.gatherer, zc.stage3_prefetch_bucket_size,
+            zc.stage3_max_live_parameters, zc.stage3_max_reuse_distance)
         if self.param_offload is not None:
-            self.param_offload.attach(self.coordinator)
-        unit_by_param = {id(p): u for u in units for p in u.params}
+            self.param_offload.attach(coordinator)
+        return coordinator
+
+    def _build_module_hooks(self, model, module_units) -> ModuleHooks:
+        unit_by_param = {id(p): u for u in self.units for p in u.params}
         names = {m: (n or type(model).__name__) for n, m in model.named_modules()}
-        self.module_hooks = ModuleHooks(model, self.coordinator, module_units,
-                                        lambda p: unit_by_param.get(id(p)), names)
-        log.info("stage 3: %d parameters in %d fetch units (%d persistent)",
-                 sum(u.numel for u in units), len(units), sum(u.persistent for u in units))
+        return ModuleHooks(model, self.coordinator, module_units,
+                           lambda p: unit_by_param.get(id(p)), names)
 
     def _build_reducer(self):
         return Stage3GradReducer(
