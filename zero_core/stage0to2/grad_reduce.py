@@ -18,6 +18,10 @@ that is ready early waits for its predecessors.
 
 Gradients arrive pre-multiplied by 1/world_size (the engine folds it into the loss
 scale), so a sum-reduction yields the average without another pass over the data.
+
+What the engine calls is :class:`~zero_core.interfaces.engine_parts.GradReducerProtocol`;
+what this reducer needs of each group's buffers is
+:class:`~zero_core.interfaces.engine_parts.BucketBuffersProtocol`.
 """
 from __future__ import annotations
 
@@ -28,10 +32,10 @@ import torch
 
 from zero_core.partitioning.buffer_pool import BufferPool
 from zero_core.interfaces.communicator import Communicator
-from zero_core.stage0to2.buffers import GroupBuffers
+from zero_core.interfaces.engine_parts import BucketBuffersProtocol, GradReducerProtocol
 
 
-class GradReducer:
+class GradReducer(GradReducerProtocol):
     """Reduces gradients of *groups* bucket by bucket, as backward produces them.
 
     *should_reduce()* says whether the backward now starting must reduce (stages 0/1:
@@ -39,7 +43,7 @@ class GradReducer:
     maps id(param) to its position in the model, to order the buckets.
     """
 
-    def __init__(self, groups: list[GroupBuffers], comm: Communicator, stage: int,
+    def __init__(self, groups: list[BucketBuffersProtocol], comm: Communicator, stage: int,
                  overlap: bool, registration_index: dict[int, int],
                  should_reduce: Callable[[], bool], on_allocate=None, max_inflight: int = 4):
         self.groups, self.comm, self.stage, self.overlap = groups, comm, stage, overlap

@@ -30,14 +30,15 @@ import torch
 
 from zero_core.partitioning.buffer_pool import BufferPool
 from zero_core.interfaces.communicator import Communicator
+from zero_core.interfaces.engine_parts import GradReducerProtocol
 from zero_core.stage3 import partitioned_params as pp
 from zero_core.stage3.coordinator import ParamCoordinator
 from zero_core.stage3.units import FetchUnit
 
 
-class Stage3GradReducer:
-    """Same interface as stages 1-2's GradReducer (register_hooks, flush, wait_all,
-    mark_fresh, remove_hooks), over fetch units."""
+class Stage3GradReducer(GradReducerProtocol):
+    """The engine's gradient reducer at stage 3 (GradReducerProtocol: register_hooks,
+    flush, wait_all, mark_fresh, remove_hooks, communication_buffers), over fetch units."""
 
     def __init__(self, units: list[FetchUnit], comm: Communicator, coordinator: ParamCoordinator,
                  overlap: bool, device: torch.device, on_allocate=None, max_inflight: int = 4,
