@@ -3,9 +3,10 @@
 Where things are:
 
 - partitioned_params.py — the parameter class and the error for unguarded reads;
-- units.py — fetch units (which parameters are gathered together) and their layout;
-- buffers.py — a group's flat partitions (parameters, fp32 master, gradients);
-- gather.py — all-gather and release of a unit;
+- units.py — fetch units (which parameters are gathered together), their layout and state;
+- buffers.py — a group's flat partitions (parameters, fp32 master, gradients), also with
+  the parameters in the offload store;
+- gather.py — all-gather and release of a unit, from a parameter source;
 - prefetch.py — execution-order recording; coordinator.py — gather/prefetch/release policy;
 - module_hooks.py — forward/backward hooks, register_external_parameter;
 - grad_reduce.py — reduce-scatter of unit gradients into the partitions;

@@ -11,6 +11,10 @@ units.py, buffers.py), the gradient reducer (reduce-scatter per unit straight in
 partitions — grad_reduce.py), and model preparation (parameters become
 :class:`~zero_core.stage3.partitioned_params.PartitionedParameter`\\ s, gathered around each
 module's forward and backward by module_hooks.py, coordinator.py and prefetch.py).
+``_build_buffers`` builds these parts one method each, and composes ZeRO++ and the
+parameter offload with them (``offload_param``: the store of zero_core/offload/params.py,
+handed to the group buffers, the gatherer and the optimizer — the only place stage 3
+imports offload/, which imports nothing of stage 3).
 
 Model-state bytes per rank: 16Ψ/N (DESIGN §4) plus padding, plus the persistent units
 (gathered copies of small parameters, kept between uses) and the live window of gathered
