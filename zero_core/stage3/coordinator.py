@@ -14,6 +14,11 @@
 Prefetch never lets the live window (gathered or in-flight elements of non-persistent
 units) exceed ``stage3_max_live_parameters``, nor runs more than
 ``stage3_prefetch_bucket_size`` elements ahead of the request being served.
+
+The coordinator is the only one that changes a unit's use counts (running forwards, pins,
+the hold until backward; units.py) and it adopts its engine's units and parameters: it is
+their ``owner``, which GatheredParameters finds through a unit and which answers a read of
+a released parameter with the error naming this engine's running module.
 """
 from __future__ import annotations
 
