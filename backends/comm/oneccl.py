@@ -61,7 +61,7 @@ one rank (and a world of one) is served locally, without a oneCCL communicator.
 
 The unique id (4096 bytes) goes from the group's first rank to the others over the job's
 own rendezvous: MPI under an MPI launcher, torch.distributed (gloo) otherwise — the same
-paths that ``zero_core.runtime.rendezvous`` / ``runtime`` use. A rank that cannot make the id sends
+paths that torch.distributed's own start-up uses (:mod:`.torch_dist_init`). A rank that cannot make the id sends
 its error instead, so the others fail with it rather than wait.
 
 Asynchrony and faults: the C API's calls on host buffers block until done, and
@@ -89,7 +89,9 @@ import torch
 from zero_core.interfaces.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable, CommError, CommTimeoutError
 
-from . import CallThread, refuse_integer_average, wait_future
+from . import CallThread, destroy_torch_distributed_at_exit, refuse_integer_average, wait_future
+from .mpi import import_mpi
+from .torch_dist_init import init_torch_distributed
 
 ONECCL_VERSION = "2022.2.0"
 #: the wheels, without their dependencies (see the module docstring for why)
@@ -433,7 +435,6 @@ class OneCclCommunicator(Communicator):
 
     def _init_world(self) -> Group:
         if self.launch.is_mpi and self.world_size > 1:
-            from zero_core.runtime.rendezvous import import_mpi
             self._mpi = import_mpi()     # initializes MPI before oneCCL reads the environment
         self._apply_settings()
         self._lib = self._load()
@@ -511,10 +512,7 @@ class OneCclCommunicator(Communicator):
         if self._mpi is not None:
             return self._mpi.COMM_WORLD.bcast(message, root=root)
         import torch.distributed as dist
-
-        from zero_core.runtime.context import init_torch_distributed
         if not dist.is_initialized():
-            from . import destroy_torch_distributed_at_exit
             atexit.register(destroy_torch_distributed_at_exit)
             init_torch_distributed(self.launch, "gloo", self.timeout)
         group = None

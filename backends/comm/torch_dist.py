@@ -5,6 +5,9 @@ One base class, :class:`TorchDistCommunicator`, maps the zero-core collectives o
 torch.distributed with ``async_op=True`` and wraps the returned ``Work`` objects in a
 :class:`~zero_core.interfaces.communicator.Handle`. Subclasses only name the backend, the device
 types, the vendor module that registers the backend and how to check for the device.
+Starting torch.distributed (the env:// rendezvous, ``init_process_group``) is
+:mod:`.torch_dist_init`; :meth:`TorchDistCommunicator.start_torch_distributed` is how the
+runtime, which imports no backend, gets it started next to any communicator.
 
 Timeouts: ``Work.wait(timeout)`` on gloo raises ``RuntimeError("Operation timed out!")``
 when the deadline passes and leaves the work running (a later wait can still succeed);
@@ -41,10 +44,10 @@ import torch
 
 from zero_core.interfaces.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable, CommError
-from zero_core.runtime.context import init_torch_distributed
 
 from . import (ScratchPool, destroy_torch_distributed_at_exit, reduce_rows_into,
                refuse_integer_average)
+from .torch_dist_init import init_torch_distributed
 
 # gloo: "Operation timed out!"; gloo transport: "Timed out waiting 5000ms for recv
 # operation to complete"; both mean "not done yet", not "broken".
@@ -169,6 +172,14 @@ class TorchDistCommunicator(Communicator):
     def _group_backend(self) -> str:
         """The backend string of the default group, when we start torch.distributed."""
         return default_group_backend(self.backend, self.device_types)
+
+    @classmethod
+    def start_torch_distributed(cls, launch, timeout: float) -> None:
+        """Start torch.distributed's default group with this backend (gloo beside a
+        device-only one), unless it is already initialized; the runtime asks the gloo
+        communicator this so that torch.distributed answers next to any communicator."""
+        init_torch_distributed(launch, default_group_backend(cls.backend, cls.device_types),
+                               timeout)
 
     # ---- setup -------------------------------------------------------------------------
     def __init__(self, launch, topology, timeout: float = 300.0):

@@ -146,6 +146,19 @@ class Communicator(ABC):
     def availability(cls) -> tuple[bool, str]:
         """(True, "") when usable in this process, else (False, why and how to fix)."""
 
+    @classmethod
+    def start_torch_distributed(cls, launch, timeout: float) -> None:
+        """Initialize torch.distributed's default process group with this backend over
+        *launch*'s rendezvous, unless it is already initialized.
+
+        Only communicators that run over torch.distributed can; the others refuse. The
+        runtime asks the registry's ``gloo`` communicator, so that user code calling
+        ``torch.distributed`` works whatever communicator carries ZeRO's traffic — the
+        start-up itself belongs to that backend, which the engine does not import.
+        """
+        raise NotImplementedError(f"communicator {cls.name!r} does not run over "
+                                  f"torch.distributed, so it cannot start it")
+
     def __init__(self, launch: LaunchInfo, topology: Topology, timeout: float = 300.0):
         self.launch = launch
         self.topology = topology

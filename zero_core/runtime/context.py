@@ -3,10 +3,17 @@
 ``init_distributed()`` is called by ``zero_core.initialize`` and may be called directly.
 It is idempotent: the first call decides, later calls return the same runtime (and
 refuse conflicting arguments).
+
+Backends are reached through the plugin registry only, never imported: starting
+torch.distributed (which the runtime promises next to every communicator, so that user
+code calling it works) is done by the registry's ``gloo`` communicator class through
+:meth:`Communicator.start_torch_distributed
+<zero_core.interfaces.communicator.Communicator.start_torch_distributed>`; the start-up
+code and its MPI rendezvous live with the torch.distributed communicators
+(``zero_core.backends.comm.torch_dist_init``).
 """
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import dataclass
 
@@ -18,7 +25,6 @@ from zero_core.interfaces.communicator import Communicator
 from zero_core.errors import ConfigError
 from zero_core.interfaces.kernels import KernelSet
 from zero_core.runtime.launch import LaunchInfo, discover
-from zero_core.runtime.rendezvous import ensure_master_addr
 from zero_core.runtime.topology import Topology, resolve_ranks_per_node
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -60,22 +66,6 @@ def comm_timeout(value: float | None = None) -> float:
     return value
 
 
-def init_torch_distributed(launch: LaunchInfo, backend: str, timeout: float, device=None) -> None:
-    """Initialize torch.distributed (if not yet) with *backend*, rendezvousing through the
-    launcher; used by the torch.distributed communicators and, with gloo, alongside any
-    other communicator so that user code calling torch.distributed keeps working."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        return
-    ensure_master_addr(launch)
-    kwargs = {}
-    if device is not None and device.type != "cpu":
-        kwargs["device_id"] = device
-    dist.init_process_group(backend=backend, init_method="env://", rank=launch.rank,
-                            world_size=launch.world_size,
-                            timeout=datetime.timedelta(seconds=timeout), **kwargs)
-
-
 def init_distributed(accelerator: str | None = None, comm_backend: str | None = None,
                      timeout: float | None = None, ranks_per_node: int | None = None) -> Runtime:
     """Pick the accelerator and communicator (config → environment → auto-detect), connect
@@ -110,8 +100,9 @@ def init_distributed(accelerator: str | None = None, comm_backend: str | None = 
     # tensors the communicator cannot reach (device tensors over gloo/MPI, host tensors over
     # nccl) go through stand-in buffers on the other side
     comm.enable_staging(acc, device)
-    # user scripts and libraries expect torch.distributed to answer get_rank()/barrier()
-    init_torch_distributed(launch, "gloo", comm.timeout)
+    # user scripts and libraries expect torch.distributed to answer get_rank()/barrier():
+    # the gloo communicator starts it (a no-op if the communicator already did)
+    reg.communicator_class("gloo").start_torch_distributed(launch, comm.timeout)
     kernels = reg.kernel_set(acc.kernel_set)
     _RUNTIME = Runtime(launch, topology, acc, comm, kernels, device)
     return _RUNTIME

@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from zero_core.interfaces.communicator import Communicator, Group, Handle
 from zero_core.errors import BackendUnavailable
-# zero-core's rendezvous: initializes torch.distributed through whatever launched us
-# (torchrun, mpirun, Slurm), sharing rank 0's address via MPI when none is set.
-from zero_core.runtime.context import init_torch_distributed
+# zero-core's torch.distributed start-up: initializes it through whatever launched us
+# (torchrun, mpirun, Slurm), sharing rank 0's address via MPI when none is set. It belongs
+# to the built-in torch.distributed backends, which a plugin may use as a library.
+from zero_core.backends.comm.torch_dist_init import init_torch_distributed
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         # gloo has no average: sum, then divide when the collective has finished
