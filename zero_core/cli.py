@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import importlib.util
 import json
 import os
 import platform
@@ -53,6 +54,15 @@ _MPI_VERSION_PROBE = (
 
 
 # ---- facts ----------------------------------------------------------------------------------
+def _importable(name: str) -> bool:
+    """True if module *name* can be imported here, found without importing it (the report
+    imports no backend and initializes no library)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that fails to import
+        return False
+
+
 def _dist_version(names) -> str | None:
     for name in names:
         try:
@@ -65,8 +75,7 @@ def _dist_version(names) -> str | None:
 def mpi_library_version(timeout: float = 30.0) -> str:
     """The MPI library's own version string (e.g. "Open MPI v5.0.11, ..."), read in a child
     process so that MPI is never initialized here."""
-    from zero_core.backends.accelerators import module_present
-    if not module_present("mpi4py"):
+    if not _importable("mpi4py"):
         return NOT_INSTALLED
     try:
         out = subprocess.run([sys.executable, "-c", _MPI_VERSION_PROBE], capture_output=True,
@@ -81,12 +90,11 @@ def mpi_library_version(timeout: float = 30.0) -> str:
 
 def versions() -> dict:
     """Versions of zero-core, Python and every library zero-core may use (strings)."""
-    from zero_core.backends.accelerators import module_present
     result = {"zero-core": __version__,
               "python": f"{platform.python_version()} ({sys.executable})"}
     for label, names in _DISTRIBUTIONS.items():
         version = _dist_version(names)
-        if version is None and label in _MODULES and module_present(_MODULES[label]):
+        if version is None and label in _MODULES and _importable(_MODULES[label]):
             version = "installed (no package metadata)"
         result[label] = version or NOT_INSTALLED
     import torch

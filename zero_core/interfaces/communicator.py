@@ -18,7 +18,6 @@ Conventions:
 """
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
@@ -27,9 +26,7 @@ import torch
 
 from zero_core.interfaces.staging import StagedCall, Staging
 from zero_core.errors import CommError, CommTimeoutError
-from zero_core.runtime.launch import LaunchInfo
 from zero_core.interfaces.ledger import CommLedger, LedgerEntry, sent_bytes
-from zero_core.runtime.topology import Topology
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -116,23 +113,6 @@ def _finish_staging_after(handle: Handle, staged: StagedCall, record) -> None:
     handle._finish = finish
 
 
-def poll_until(test: Callable[[], bool], timeout: float) -> bool:
-    """Wait for *test()* to become true, sleeping progressively; False on timeout.
-
-    For backends whose requests can only be polled (MPI's ``Test``). Starts with a busy
-    spin so that short collectives are not slowed by sleeping.
-    """
-    deadline = time.monotonic() + timeout
-    spins = 0
-    while not test():
-        spins += 1
-        if spins > 200:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(min(1e-3, 1e-6 * spins))
-    return True
-
-
 class Communicator(ABC):
     """Base class of communication backends. See the module docstring for conventions."""
 
@@ -159,7 +139,14 @@ class Communicator(ABC):
         raise NotImplementedError(f"communicator {cls.name!r} does not run over "
                                   f"torch.distributed, so it cannot start it")
 
-    def __init__(self, launch: LaunchInfo, topology: Topology, timeout: float = 300.0):
+    def __init__(self, launch, topology, timeout: float = 300.0):
+        """*launch* is where this process sits in the job (``rank``, ``world_size``,
+        ``local_rank``, ``local_world_size``, ``launcher``, ``is_mpi``: a
+        ``zero_core.runtime.launch.LaunchInfo``); *topology* is which ranks share a node
+        (``spans_nodes``, ``intra_node_partition``, ``inter_node_partition``, ``num_nodes``,
+        ``ranks_per_node``: a ``zero_core.runtime.topology.Topology``). Both are values the
+        runtime builds; they are named here by the attributes backends may use, so that the
+        interface imports nothing from the runtime."""
         self.launch = launch
         self.topology = topology
         self.timeout = float(timeout)
