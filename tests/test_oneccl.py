@@ -1,4 +1,5 @@
-"""The oneccl communicator (backends/comm/oneccl.py): Intel oneCCL's C API through ctypes.
+"""The oneccl communicator (backends/comm/oneccl.py, oneccl_lib.py): Intel oneCCL's C API
+through ctypes.
 
 Without oneCCL installed, the error paths still run: every way the library, its CPU plugin,
 the libccl.so.1 that plugin needs or the transport can be missing gives an unavailable
@@ -19,8 +20,9 @@ import time
 import pytest
 import torch
 
-from zero_core.backends.comm import oneccl
-from zero_core.backends.comm.oneccl import LIBRARY_INSTALL, OneCclCommunicator, elf_needed
+from zero_core.backends.comm import oneccl_lib
+from zero_core.backends.comm.oneccl import OneCclCommunicator
+from zero_core.backends.comm.oneccl_lib import LIBRARY_INSTALL, elf_needed
 from zero_core.errors import BackendUnavailable
 from zero_core.runtime.launch import LaunchInfo
 from zero_core.testing import mpirun_path, run_ranks
@@ -41,11 +43,11 @@ def lookup(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     libdir = tmp_path / "lib"
     libdir.mkdir()
-    monkeypatch.setattr(oneccl, "library_dirs", lambda: [str(libdir)])
-    monkeypatch.setattr(oneccl, "fabric_candidates", lambda: [])
-    oneccl._locate.cache_clear()
+    monkeypatch.setattr(oneccl_lib, "library_dirs", lambda: [str(libdir)])
+    monkeypatch.setattr(oneccl_lib, "fabric_candidates", lambda: [])
+    oneccl_lib._locate.cache_clear()
     yield libdir
-    oneccl._locate.cache_clear()
+    oneccl_lib._locate.cache_clear()
 
 
 def _touch(*paths):
@@ -152,8 +154,8 @@ def test_a_complete_installation_is_available(lookup, monkeypatch, tmp_path):
     _complete(lookup)
     fabric = tmp_path / "openmpi" / "libfabric.so.1"
     _touch(fabric)
-    monkeypatch.setattr(oneccl, "fabric_candidates", lambda: [str(fabric)])
-    found = oneccl.locate()
+    monkeypatch.setattr(oneccl_lib, "fabric_candidates", lambda: [str(fabric)])
+    found = oneccl_lib.locate()
     assert _verdict() == (True, "")
     assert found["lib"] == str(lookup / "libccl.so.2")
     assert found["plugin"] == str(lookup / "libccl_legacy_cpu.so")
@@ -163,11 +165,11 @@ def test_a_complete_installation_is_available(lookup, monkeypatch, tmp_path):
 def test_availability_never_raises_and_is_cheap(lookup, monkeypatch):
     def broken():
         raise PermissionError("search path unreadable")
-    monkeypatch.setattr(oneccl, "library_dirs", broken)
+    monkeypatch.setattr(oneccl_lib, "library_dirs", broken)
     ok, why = _verdict()
     assert not ok and "PermissionError" in why and "unreadable" in why
     monkeypatch.undo()
-    oneccl._locate.cache_clear()
+    oneccl_lib._locate.cache_clear()
     start = time.perf_counter()
     OneCclCommunicator.availability()        # the real search, uncached
     assert time.perf_counter() - start < 0.5
