@@ -19,12 +19,12 @@ prints it):
   ``ZERO_CORE_QUANT_NATIVE=0``, or on big-endian hosts. Kept public so that the
   benchmark can show both paths.
 
-Why the torch path is as fast as it is (measured on this project's 2-core VM, see
-ci/bench_kernels.py):
+Why the torch path is as fast as it is (measured on this project's 2-core VM with
+ci/bench_kernels.py; the figures are in the README, section Benchmarks):
 
 * Large temporaries are what make the reference slow: every fresh multi-MB tensor is
-  page-faulted in by the kernel at ~3 us per 4 KiB page, which costs more than the
-  arithmetic (a 64 MB ``abs`` into a new tensor took ~56 ms, into an existing one ~2-10 ms).
+  page-faulted in by the kernel one page at a time, which costs more than the arithmetic
+  (an ``abs`` into a new tensor took many times as long as into an existing one).
   Here the work is done in chunks of whole blocks through small per-thread scratch
   buffers that are allocated once and stay in cache; only the outputs are new memory,
   and callers that reuse communication buffers pass ``out=`` to avoid even that.
@@ -33,8 +33,8 @@ ci/bench_kernels.py):
 * ``amax`` and ``amin`` over rows are two fast vectorized reductions, where
   ``abs().amax()`` needs a temporary and ``aminmax`` takes a slow path.
 * int4 packing/unpacking treats each pair of int8 lanes as one int16 and moves nibbles
-  with contiguous, vectorized bit operations: 2x (pack) and 4x (unpack) faster on a
-  cached chunk than float arithmetic through stride-2 views.
+  with contiguous, vectorized bit operations: faster on a cached chunk than float
+  arithmetic through stride-2 views (for packing, and more so for unpacking).
 """
 from __future__ import annotations
 
@@ -52,9 +52,9 @@ from .quant_layout import (INT4_OFFSET, QMAX, check_dequant_out, check_input,
 #: elements per chunk (rounded down to whole blocks). An fp32 chunk and its quotient
 #: (2 x 16 MB at 4M elements) about fill a server CPU's L3. Each torch op is a parallel
 #: region whose threads must all be scheduled, so on a CPU shared with other processes
-#: fewer, larger ops win: 50M elements, 2 threads, load ~7.5, best/median ms of int8
-#: quantize (out=): 74-104/195-274 at 1M, 53-61/126-147 at 4M, 66-132/145-149 at 8M
-#: (64K chunks were 10x slower still).
+#: fewer, larger ops win: int8 quantize (out=) of a large tensor with 2 threads on a loaded
+#: machine was fastest with 4M-element chunks, ahead of 1M and 8M, and 64K chunks were far
+#: slower still (README, Benchmarks).
 CHUNK_ELEMENTS = 1 << 22
 
 _local = threading.local()
@@ -132,11 +132,11 @@ def _workers():
 
     Why: every torch op is an OpenMP parallel region that ends when *all* its threads
     are done. On a CPU shared with other processes one of them is often descheduled, and
-    each small op then waits a scheduler time slice: measured on this 2-core VM at load
-    ~5, a 4M-element int4 unpack step took ~8 ms per op with 2 threads vs ~0.1 ms with 1
-    (50M-element int4 dequantize: 870 ms vs 25 ms). So the chunks are spread over
-    torch.get_num_threads() Python threads (torch ops release the GIL), each running its
-    ops with one intra-op thread: they only meet once per call.
+    each small op then waits a scheduler time slice: measured on this 2-core VM under load,
+    an int4 unpack step took more than an order of magnitude longer per op with 2 threads
+    than with 1, and so did a whole int4 dequantize (README, Benchmarks). So the chunks are
+    spread over torch.get_num_threads() Python threads (torch ops release the GIL), each
+    running its ops with one intra-op thread: they only meet once per call.
     """
     n = torch.get_num_threads()
     if n <= 1:
@@ -379,7 +379,8 @@ class _SumReader:
 #: native path: elements per chunk of blocks handed to one C call. Smaller than the torch
 #: path's (a C call has no per-op cost to amortize), so that on a CPU shared with other
 #: processes the worker that is running takes over the chunks of one that is not
-#: (50M elements at load ~6: 1M to 32M within noise of each other, 256K 10-30% slower).
+#: (on a loaded machine, chunks of 1M to 32M elements were within noise of each other and
+#: 256K-element chunks slower; README, Benchmarks).
 NATIVE_CHUNK_ELEMENTS = 1 << 20
 #: native path: below this many elements a call runs on the caller's thread (handing
 #: work to the pool costs more than it saves)

@@ -25,7 +25,7 @@ _MEMINFO = "/proc/meminfo"
 
 # The communicator a CPU job uses when none is configured. Under an MPI launcher it is MPI:
 # on a quiet machine (session 2, README Benchmarks) ci/bench_comm.py measured zero-core's MPI
-# communicator 1.7-3.2x faster than its gloo one on every collective from 1 MiB, and
+# communicator faster than its gloo one on every collective of a mebibyte or more, and
 # ci/bench_engine.py / bench_stage3.py had stages 1-3 as fast or faster over MPI. (Session 1
 # had chosen gloo from runs where 8 jobs shared 2 cores: Open MPI busy-polls while it waits,
 # which costs most when cores are oversubscribed.) Otherwise gloo, which needs no MPI.

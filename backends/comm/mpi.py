@@ -15,24 +15,27 @@ a tensor whose size is not a multiple of n is padded). The result is the fp32 su
 the 16-bit inputs rounded once — at least as accurate as any 16-bit ring.
 
 The same route is also the faster one for other dtypes with Open MPI on one host
-(measured with fp32, median ms, 2 ranks / 4 ranks): ``Reduce_scatter_block`` 41/54 at
-16 MiB, 203/279 at 64 MiB, 1049/1442 at 256 MiB, against 14/33, 62/70, 222/385 for
-all-to-all + local sum, and no slower below; ``Allreduce`` 129/211 at 64 MiB and
-526/1240 at 256 MiB against 91/145 and 362/832 for the composite, which loses below
-~32 MiB. So reduce_scatter always takes the all-to-all route, and all_reduce takes it
-for 16-bit floats and for buffers of at least :attr:`MpiCommunicator.all_reduce_composite_bytes`.
+(measured with fp32 on 2 and 4 ranks; the figures are in the README, section Benchmarks):
+all-to-all + local sum is several times faster than ``Reduce_scatter_block`` on large
+buffers and no slower on small ones; the composite all-reduce beats ``Allreduce`` on large
+buffers but loses on small ones. So reduce_scatter always takes the all-to-all route, and
+all_reduce takes it for 16-bit floats and for buffers of at least
+:attr:`MpiCommunicator.all_reduce_composite_bytes` (the measured crossover).
 
 Asynchrony: Open MPI has no progress thread for non-blocking collectives, so an
 ``Iallreduce`` posted before a matmul only moves data when the rank calls MPI again
-(measured: the peer of a rank computing for 400 ms finished its Iallreduce after
-~430-460 ms; with the design below, after ~30-100 ms). Every MPI call of this
-communicator therefore runs on one worker thread, in submission order, as a *blocking*
-collective (mpi4py releases the GIL inside MPI calls, and torch kernels release it too),
-and ``async_op`` returns a handle on its future. Synchronous calls go through the same
-queue, so the order of collectives is the program order on every rank — the order MPI
-needs to match them. The communicator works on a duplicate of ``COMM_WORLD``, so other
-users of ``COMM_WORLD`` (the torch.distributed rendezvous, user code) never interleave
-with its traffic.
+(measured: the peer of a rank that is computing finished its Iallreduce only after that
+computation had ended; with the design below, long before it — README, Benchmarks).
+Every MPI call of this communicator therefore runs on one worker thread, in submission
+order, as a *blocking* collective (mpi4py releases the GIL inside MPI calls, and torch
+kernels release it too), and ``async_op`` returns a handle on its future. Synchronous
+calls go through the same queue, so the order of collectives is the program order on every
+rank — the order MPI needs to match them. The communicator works on a duplicate of
+``COMM_WORLD``, so other users of ``COMM_WORLD`` (the torch.distributed rendezvous, user
+code) never interleave with its traffic.
+
+MPI discovery lives here too: :func:`import_mpi` (with :data:`MPI_INSTALL_HINT`) is the one
+place zero-core imports ``mpi4py.MPI``.
 
 Faults: a wait past the timeout raises ``CommTimeoutError`` (the base ``Handle``). The
 collective itself cannot be cancelled in MPI; if it is still stuck when the process
@@ -89,7 +92,8 @@ class MpiCommunicator(Communicator):
 
     name = "mpi"
     device_types = ("cpu",)
-    #: all_reduce of at least this many bytes goes as all-to-all + all-gather (measured)
+    #: all_reduce of at least this many bytes goes as all-to-all + all-gather (the measured
+    #: crossover, module docstring)
     all_reduce_composite_bytes: int = 32 << 20
 
     @classmethod

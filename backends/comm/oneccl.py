@@ -11,12 +11,13 @@ user's own value always wins; they are process environment variables, so child p
 see them too): ``CCL_PLUGIN`` (the CPU plugin's path), ``CCL_ATL_TRANSPORT=ofi``,
 ``CCL_OFI_LIBRARY_PATH`` (the libfabric found), ``FI_PROVIDER=tcp`` (with libfabric's own
 choice, fi_getinfo found no provider), ``CCL_ATL_SHM=1`` (shared memory between ranks of one
-host: 64 MiB all-reduce on 2 ranks ~45-60 ms instead of ~120 ms with tcp alone),
-``CCL_WORKER_OFFLOAD=0`` (the collective progresses in the calling thread, which here is
-this module's worker thread; with oneCCL's own pinned worker thread a 1 MiB all-reduce took
-16-100 ms on 2 cores instead of 0.2-0.6 ms), ``CCL_PROCESS_LAUNCHER=none`` with
+host: large all-reduces are markedly faster than with tcp alone), ``CCL_WORKER_OFFLOAD=0``
+(the collective progresses in the calling thread, which here is this module's worker
+thread; with oneCCL's own pinned worker thread small all-reduces were far slower on a
+machine with few cores), ``CCL_PROCESS_LAUNCHER=none`` with
 ``CCL_LOCAL_RANK`` / ``CCL_LOCAL_SIZE`` from the launcher, ``CCL_LOG_LEVEL=error``, and on
 a single host ``CCL_KVS_IFACE=lo`` / ``FI_TCP_IFACE=lo`` (nothing leaves the machine).
+The measurements behind these choices are in the README, section Benchmarks.
 Known library fault: an ``FI_PROVIDER`` naming a provider libfabric does not have makes
 oneCCL 2022.2 abort the process ("free(): double free detected", SIGABRT) while it creates
 the communicator; nothing in this module can catch that.

@@ -18,12 +18,11 @@ collective and the group. On nccl/hccl, ``wait`` does not block the host for the
 timeout; there the process group's own timeout (set to the same value at
 initialization) and its watchdog end a stuck collective.
 
-Gloo fast paths (measured here with ci/bench_comm.py and interleaved micro-benchmarks):
-gloo's own all-gather and reduce-scatter are several times slower than its
-all-to-all on one host (84 MiB, 2 ranks: all-gather ~75-110 ms, reduce-scatter
-~130-170 ms, all-to-all ~30-50 ms; 64 MiB all-gather, median of 6 interleaved runs,
-2 / 4 ranks: gloo 328 / 553 ms, point-to-point 60 / 166 ms, all-to-all of a replicated
-shard 106 / 235 ms; no slower below 1 MiB). So :class:`GlooCommunicator` carries
+Gloo fast paths (measured with ci/bench_comm.py and interleaved micro-benchmarks; the
+figures are in the README, section Benchmarks): on one host gloo's own all-gather and
+reduce-scatter are several times slower than its all-to-all, and an all-gather sent as
+point-to-point messages is faster still than an all-to-all of a replicated shard, on 2
+and 4 ranks; neither path is slower for small tensors. So :class:`GlooCommunicator` carries
 
 - all_gather_into as point-to-point sends of the shard to every peer (exactly the
   (n-1) x shard bytes of an all-gather, no extra buffer), and
