@@ -1,5 +1,5 @@
 """The built-in backends, registered through the ``zero_core`` entry point in
-pyproject.toml — the same way a third-party plugin registers (DESIGN §2).
+pyproject.toml — the same way a third-party plugin registers (ARCHITECTURE §2).
 
 Importing this module must not import any vendor library (CUDA, habana_frameworks,
 intel_extension_for_pytorch, mpi4py): those are imported when a backend is checked for

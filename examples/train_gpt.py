@@ -189,7 +189,7 @@ def format_rank_table(reports: list) -> str:
 
 
 MIB = 2**20
-# DESIGN §4: model-state bytes per rank for Adam, Ψ parameters, N ranks
+# ARCHITECTURE §4: model-state bytes per rank for Adam, Ψ parameters, N ranks
 FORMULA_TEXT = {("fp32", 0): "16Ψ", ("fp32", 1): "8Ψ + 8Ψ/N", ("fp32", 2): "4Ψ + 12Ψ/N",
                 ("fp32", 3): "16Ψ/N",
                 ("mixed", 0): "16Ψ", ("mixed", 1): "4Ψ + 12Ψ/N", ("mixed", 2): "2Ψ + 14Ψ/N",
@@ -208,7 +208,7 @@ def _table(header: list, rows: list) -> str:
 
 
 def format_memory_table(reports: list, stage: int, precision: str, world: int) -> str:
-    """Per-rank bytes the engine allocated, next to DESIGN §4's formula, in MiB."""
+    """Per-rank bytes the engine allocated, next to ARCHITECTURE §4's formula, in MiB."""
     if not all(isinstance(r, dict) and "ledger" in r for r in reports):
         return "memory per rank\n" + format_rank_table(reports)
     formula = reports[0].get("formula") or {}

@@ -74,7 +74,7 @@ def test_bucket_size_zero_is_refused():
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_memory_formulas_match_design_table(n):
     psi = 1_000_003
-    # DESIGN §4, Adam (K = 12)
+    # ARCHITECTURE §4, Adam (K = 12)
     assert model_state_bytes(0, psi, n, "bf16") == pytest.approx(16 * psi)
     assert model_state_bytes(1, psi, n, "fp16") == pytest.approx(4 * psi + 12 * psi / n)
     assert model_state_bytes(2, psi, n, "bf16") == pytest.approx(2 * psi + 14 * psi / n)

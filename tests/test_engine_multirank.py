@@ -59,7 +59,7 @@ def check_reference_run(res: dict, rtol: float, steps: int, gas: int):
 
 
 def check_memory(rep: dict, stage: int, precision: str, k: int):
-    """Ledger vs DESIGN §4 formula, per category: the ledger may exceed the formula only
+    """Ledger vs ARCHITECTURE §4 formula, per category: the ledger may exceed the formula only
     by the padding (elements × bytes per element of that category)."""
     led, form, pad = rep["ledger"], rep["formula"], rep["padding_elements"]
     b = PRECISION_BYTES[precision]

@@ -51,7 +51,7 @@ def test_each_launcher(env, expected):
 
 def test_order_torchrun_first_then_open_mpi():
     """torchrun launched inside an mpirun/srun job: torchrun's variables describe the
-    processes that will communicate, so they win (DESIGN §3 order)."""
+    processes that will communicate, so they win (ARCHITECTURE §3 order)."""
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
            "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1",
            "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}

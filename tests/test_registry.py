@@ -1,6 +1,6 @@
 """The plugin registry: selection order, error messages, and what loading costs.
 
-Selection order (DESIGN §2): explicit argument / config, then ZERO_CORE_ACCELERATOR /
+Selection order (ARCHITECTURE §2): explicit argument / config, then ZERO_CORE_ACCELERATOR /
 ZERO_CORE_COMM, then auto-detection by priority among the available accelerators.
 Stand-in backends are registered in-process (``registry.load(extra_modules=...)``) next
 to the real entry points; the module-level cache is restored after each test.
@@ -110,7 +110,7 @@ def test_asking_for_an_unavailable_accelerator_says_why_and_where_it_came_from(r
 
 def test_builtin_auto_detection_follows_cuda_hpu_xpu_cpu(clean_env):
     reg = registry.load(refresh=True)
-    order = ["cuda", "hpu", "xpu", "cpu"]   # DESIGN §2
+    order = ["cuda", "hpu", "xpu", "cpu"]   # ARCHITECTURE §2
     expected = next(n for n in order if reg.accelerators[n].obj.availability()[0])
     assert reg.accelerator_class().name == expected
     if not torch.cuda.is_available():

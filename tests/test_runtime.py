@@ -218,7 +218,7 @@ def test_init_explicit(clean):
     assert (rt.rank, rt.world_size, rt.launch.launcher) == (0, 1, "single")
     assert rt.comm.timeout == 12.0 and rt.topology.ranks_per_node == 1
     assert rt.kernels is FAKE_KERNELS and rt.device.type == "cpu"
-    # torch.distributed answers too, as DESIGN §3 promises
+    # torch.distributed answers too, as ARCHITECTURE §3 promises
     assert dist.is_initialized() and dist.get_rank() == 0 and dist.get_world_size() == 1
     assert runtime.get_runtime() is rt
 

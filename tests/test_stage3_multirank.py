@@ -160,7 +160,7 @@ def test_unguarded_read_is_an_error_naming_the_parameter(tmp_path_factory):
 
 
 def test_memory_report_against_the_formula(tmp_path_factory):
-    """Ledger vs DESIGN §4 (16Ψ/N at stage 3): per category, the ledger may exceed the
+    """Ledger vs ARCHITECTURE §4 (16Ψ/N at stage 3): per category, the ledger may exceed the
     formula only by this rank's share of the padding; persistent parameters are reported
     as their padded units."""
     for rep in launch("torchrun", 2, tmp_path_factory):

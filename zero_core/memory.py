@@ -1,4 +1,4 @@
-"""Memory: DESIGN §4's formulas for model-state bytes per rank, and the engine's ledger of
+"""Memory: ARCHITECTURE §4's formulas for model-state bytes per rank, and the engine's ledger of
 what it really allocated.
 
 Notation: Ψ parameters, N data-parallel ranks, b bytes per low-precision element (2 for
@@ -15,7 +15,7 @@ stage  partitioned                        mixed precision  fp32
 2      + gradients                        bΨ + (b + k)Ψ/N  4Ψ + (k)Ψ/N
 =====  =================================  ===============  ================
 
-With b = 2, k = 12 that is DESIGN's 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N; fp32: 16Ψ, 8Ψ + 8Ψ/N,
+With b = 2, k = 12 that is the ARCHITECTURE §4 table's 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N; fp32: 16Ψ, 8Ψ + 8Ψ/N,
 4Ψ + 12Ψ/N.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def model_state_breakdown(stage: int, num_params: int, world_size: int, precisio
 
 def model_state_bytes(stage: int, num_params: int, world_size: int, precision: str,
                       k: int = 12) -> float:
-    """Model-state bytes per rank (DESIGN §4 table; *k* = 12 for Adam)."""
+    """Model-state bytes per rank (ARCHITECTURE §4 table; *k* = 12 for Adam)."""
     return sum(model_state_breakdown(stage, num_params, world_size, precision, k).values())
 
 

@@ -8,7 +8,7 @@ start it (:meth:`~zero_core.interfaces.communicator.Communicator.start_torch_dis
 so that user code calling ``torch.distributed`` works whatever carries ZeRO's traffic.
 
 Rendezvous under launchers that do not set MASTER_ADDR/PORT: under ``mpirun``, rank 0
-picks its address and a free port and shares them through MPI (DESIGN §3), so
+picks its address and a free port and shares them through MPI (ARCHITECTURE §3), so
 ``mpirun -np N python train.py`` needs no extra environment. MPI itself is imported
 through :func:`.mpi.import_mpi`, the MPI communicator's discovery (one install hint).
 ``zero_core.runtime.rendezvous.free_port`` is the launcher-side twin of :func:`free_port`

@@ -1,4 +1,4 @@
-"""Atomic, verified checkpoint directories (DESIGN §6): the storage layer.
+"""Atomic, verified checkpoint directories (ARCHITECTURE §6): the storage layer.
 
 Layout of ``<save_dir>``::
 

@@ -1,6 +1,6 @@
 """Launch discovery: which rank am I, how many are we, and who launched us.
 
-Read in the order of DESIGN §3: torchrun, Open MPI, MPICH / Intel MPI / Hydra,
+Read in the order of ARCHITECTURE §3: torchrun, Open MPI, MPICH / Intel MPI / Hydra,
 PMIx, Slurm; with none of them set we are a single process.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Plugins are found through the ``zero_core`` entry-point group only — the built-in
 backends included — so a third-party package is discovered exactly like ours.
-Selection order (DESIGN §2): explicit argument / config, then ``ZERO_CORE_ACCELERATOR`` /
+Selection order (ARCHITECTURE §2): explicit argument / config, then ``ZERO_CORE_ACCELERATOR`` /
 ``ZERO_CORE_COMM``, then auto-detection by priority.
 """
 from __future__ import annotations

@@ -283,8 +283,8 @@ class ZeroEngine(torch.nn.Module):
                    for gb in self._buffers if gb is not None)
 
     def memory_report(self) -> dict:
-        """Bytes per rank: the engine's own allocations by category (``ledger``), DESIGN
-        §4's formula for the same model (``formula``; None for optimizers without a known
+        """Bytes per rank: the engine's own allocations by category (``ledger``), the
+        formula of ARCHITECTURE §4 for the same model (``formula``; None for optimizers without a known
         per-parameter state size) and the accelerator's allocated/peak bytes."""
         formula = None
         if self._rule.kind in ("adam", "sgd"):

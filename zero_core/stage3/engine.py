@@ -16,7 +16,7 @@ parameter offload with them (``offload_param``: the store of zero_core/offload/p
 handed to the group buffers, the gatherer and the optimizer — the only place stage 3
 imports offload/, which imports nothing of stage 3).
 
-Model-state bytes per rank: 16Ψ/N (DESIGN §4) plus padding, plus the persistent units
+Model-state bytes per rank: 16Ψ/N (ARCHITECTURE §4) plus padding, plus the persistent units
 (gathered copies of small parameters, kept between uses) and the live window of gathered
 units (bounded by ``stage3_max_live_parameters`` plus the units of the module running);
 ``memory_report()["stage3"]`` shows both.

@@ -1,4 +1,4 @@
-"""ZeRO++ on top of stage 3 (DESIGN §4): less inter-node traffic for the same training.
+"""ZeRO++ on top of stage 3 (ARCHITECTURE §4): less inter-node traffic for the same training.
 
 Where things are:
 
