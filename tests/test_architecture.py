@@ -249,3 +249,22 @@ def test_the_tree_answers_where_things_are(question, path, code):
     # the file the map names holds the thing, and the map names the file
     assert code in (ROOT / path).read_text(), f"{question}: expected {code!r} in {path}"
     assert path in (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+
+
+def test_the_public_api_survives_the_layout():
+    # what users import by name (ARCHITECTURE §1): moving files must not move these
+    import importlib
+
+    import zero_core
+    for name in ("initialize", "Init", "GatheredParameters", "register_external_parameter",
+                 "unregister_external_parameter", "ParameterNotGatheredError", "ZeroEngine",
+                 "get_runtime", "init_distributed", "checkpointing", "__version__"):
+        assert hasattr(zero_core, name), name
+    assert importlib.import_module("zero_core.checkpointing") is zero_core.checkpointing
+    for name in ("checkpoint", "configure", "is_configured", "reset", "deconfigure"):
+        assert callable(getattr(zero_core.checkpointing, name)), name
+    from zero_core.cli import main
+    assert callable(main)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'zero-core = "zero_core.cli:main"' in pyproject
+    assert 'builtin = "zero_core.backends.plugin"' in pyproject
