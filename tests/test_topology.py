@@ -72,6 +72,9 @@ def test_resolve_env_override(monkeypatch):
     assert resolve_ranks_per_node(4, 4) == Topology(4, 2)
     monkeypatch.setenv("ZERO_CORE_RANKS_PER_NODE", "")  # empty means unset
     assert resolve_ranks_per_node(4, 4) == Topology(4, 4)
+    monkeypatch.setenv("ZERO_CORE_RANKS_PER_NODE", "two")
+    with pytest.raises(ConfigError, match="ZERO_CORE_RANKS_PER_NODE='two' is not an integer"):
+        resolve_ranks_per_node(4, 4)
 
 
 def test_resolve_argument_beats_env(monkeypatch):

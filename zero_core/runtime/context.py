@@ -14,7 +14,6 @@ code and its MPI rendezvous live with the torch.distributed communicators
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ from zero_core.interfaces.accelerator import Accelerator
 from zero_core.interfaces.communicator import Communicator
 from zero_core.errors import ConfigError
 from zero_core.interfaces.kernels import KernelSet
-from zero_core.runtime.launch import LaunchInfo, discover
+from zero_core.runtime.launch import LaunchInfo, discover, env_setting
 from zero_core.runtime.topology import Topology, resolve_ranks_per_node
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -54,12 +53,7 @@ _RUNTIME: Runtime | None = None
 def comm_timeout(value: float | None = None) -> float:
     """Collective timeout in seconds: *value*, else ZERO_CORE_COMM_TIMEOUT, else 300."""
     if value is None:
-        env = os.environ.get("ZERO_CORE_COMM_TIMEOUT")
-        if env:
-            try:
-                value = float(env)
-            except ValueError:
-                raise ConfigError(f"ZERO_CORE_COMM_TIMEOUT={env!r} is not a number of seconds") from None
+        value = env_setting("ZERO_CORE_COMM_TIMEOUT", float, "a number of seconds")
     value = DEFAULT_TIMEOUT_S if value is None else float(value)
     if value <= 0:
         raise ConfigError(f"comm_timeout={value} must be a positive number of seconds")

@@ -47,6 +47,18 @@ def _int(env, key, default=_REQUIRED):
                           f"fix or unset it (it is read to find this process's rank)") from None
 
 
+def env_setting(name: str, convert, what: str, env: dict | None = None):
+    """A zero-core setting from environment variable *name* converted by *convert*; None
+    when unset or empty. A value *convert* refuses is an error saying it is not *what*."""
+    value = (os.environ if env is None else env).get(name)
+    if not value:
+        return None
+    try:
+        return convert(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not {what}") from None
+
+
 def _slurm_tasks_on_node(env, world: int) -> int:
     """Tasks on this rank's node under Slurm.
 

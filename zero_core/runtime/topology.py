@@ -8,10 +8,10 @@ several nodes.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from zero_core.errors import ConfigError
+from zero_core.runtime.launch import env_setting
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,6 @@ def resolve_ranks_per_node(world_size: int, launcher_local_size: int,
                            override: int | None = None) -> Topology:
     """Build the topology from an explicit override, ``ZERO_CORE_RANKS_PER_NODE``, or the launcher."""
     if override is None:
-        env = os.environ.get("ZERO_CORE_RANKS_PER_NODE")
-        if env:
-            try:
-                override = int(env)
-            except ValueError:
-                raise ConfigError(f"ZERO_CORE_RANKS_PER_NODE={env!r} is not an integer") from None
+        override = env_setting("ZERO_CORE_RANKS_PER_NODE", int, "an integer")
     rpn = override if override is not None else min(launcher_local_size, world_size)
     return Topology(world_size=world_size, ranks_per_node=rpn)
