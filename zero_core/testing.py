@@ -11,15 +11,23 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
-from zero_core.runtime.rendezvous import free_port
-
 LAUNCHERS = ("mpirun", "torchrun")
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port the OS reports free on *host* ("" = every interface) right now (the
+    MASTER_PORT of a torchrun-style job). The backends' rendezvous has its own four-line
+    copy (backends/comm/torch_dist_init.py): the layering lets neither import the other."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass

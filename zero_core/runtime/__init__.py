@@ -2,8 +2,8 @@
 
 - launch.py — rank, world size and launcher (mpirun, torchrun, Slurm, single process);
 - topology.py — which ranks share a node (the intra-/inter-node split of ZeRO++);
-- rendezvous.py — a free port for a launcher that sets MASTER_PORT (``zero_core.testing``);
-  torch.distributed's own start-up and rendezvous belong to the torch.distributed backends;
+- (torch.distributed's start-up and rendezvous belong to the torch.distributed backends,
+  ``backends/comm/torch_dist_init.py``);
 - registry.py — the one pluggy registry: finds accelerators, communicators, kernel sets;
 - context.py — :class:`Runtime`, the process-wide choice of accelerator, communicator and
   kernels (``zero_core.init_distributed`` / ``get_runtime``).
