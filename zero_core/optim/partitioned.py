@@ -186,7 +186,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         parameter-shaped views where it updates whole buckets (stage 0), one flat slice
         per bucket where it updates its partition (stages 1-3)."""
         groups = []
-        self._inner_map = []   # (group j, [(tensor, grad32 or None, bucket or param idx)])
+        self._inner_map = []   # (group j, its fp32 gradient scratch or None), inner group order
         for j, gb in enumerate(self.buffers):
             if gb is None:
                 continue

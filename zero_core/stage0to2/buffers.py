@@ -48,8 +48,7 @@ class GroupBuffers(BucketBuffersProtocol):
             self.param_buf.param(i, value.shape).copy_(value)
         self.master = None
         if self.mixed:
-            kind = "full" if stage == 0 else "partition"
-            self.master = FlatBuffer(lay, kind, torch.float32, device, rank)
+            self.master = FlatBuffer(lay, self.state_kind, torch.float32, device, rank)
             ledger.track("master_weights", self.master.data)
             self._fill_master(fp32_values)
         self.grad_buf = self.grad_part = None
