@@ -37,9 +37,9 @@ import warnings
 import torch
 
 from zero_core.errors import PluginError
+from zero_core.interfaces.accelerator import module_present
 from zero_core.interfaces.kernels import KernelSet
 
-from .accelerators import module_present
 
 PACKAGE = "zero_core.accel_kernels"
 

@@ -21,7 +21,7 @@ import torch
 from zero_core.interfaces.accelerator import Accelerator
 from zero_core.backends import kernel_sets
 from zero_core.backends.accelerators import cpu as cpu_mod
-from zero_core.backends.accelerators import module_present
+from zero_core.interfaces.accelerator import module_present
 from zero_core.backends.accelerators import xpu as xpu_mod
 from zero_core.backends.accelerators.cpu import CpuAccelerator
 from zero_core.backends.accelerators.cuda import CudaAccelerator

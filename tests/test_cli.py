@@ -20,7 +20,7 @@ import torch
 from zero_core import cli
 
 from zero_core.runtime import registry
-from zero_core.backends.accelerators import module_present
+from zero_core.interfaces.accelerator import module_present
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
                "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",

@@ -181,7 +181,7 @@ print(json.dumps({"imported": sorted(m for m in sys.modules if m.split(".")[0] i
     assert {"cpu", "cuda", "hpu", "xpu"} <= set(facts["accelerators"])
     # on this machine none of them is installed; where one is, availability() may load it,
     # but never MPI, and never a CUDA context or a process group
-    from zero_core.backends.accelerators import module_present
+    from zero_core.interfaces.accelerator import module_present
     for lib in facts["imported"]:
         assert lib != "mpi4py.MPI" and module_present(lib.split(".")[0]), lib
     assert not facts["cuda_initialized"] and not facts["dist_initialized"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
-import importlib.util
 import json
 import os
 import platform
@@ -25,6 +24,7 @@ import sys
 
 from zero_core.version import __version__
 from zero_core.errors import ZeroCoreError
+from zero_core.interfaces.accelerator import module_present
 
 NOT_INSTALLED = "not installed"
 
@@ -54,15 +54,6 @@ _MPI_VERSION_PROBE = (
 
 
 # ---- facts ----------------------------------------------------------------------------------
-def _importable(name: str) -> bool:
-    """True if module *name* can be imported here, found without importing it (the report
-    imports no backend and initializes no library)."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a parent package that fails to import
-        return False
-
-
 def _dist_version(names) -> str | None:
     for name in names:
         try:
@@ -75,7 +66,7 @@ def _dist_version(names) -> str | None:
 def mpi_library_version(timeout: float = 30.0) -> str:
     """The MPI library's own version string (e.g. "Open MPI v5.0.11, ..."), read in a child
     process so that MPI is never initialized here."""
-    if not _importable("mpi4py"):
+    if not module_present("mpi4py"):
         return NOT_INSTALLED
     try:
         out = subprocess.run([sys.executable, "-c", _MPI_VERSION_PROBE], capture_output=True,
@@ -94,7 +85,7 @@ def versions() -> dict:
               "python": f"{platform.python_version()} ({sys.executable})"}
     for label, names in _DISTRIBUTIONS.items():
         version = _dist_version(names)
-        if version is None and label in _MODULES and _importable(_MODULES[label]):
+        if version is None and label in _MODULES and module_present(_MODULES[label]):
             version = "installed (no package metadata)"
         result[label] = version or NOT_INSTALLED
     import torch

@@ -15,9 +15,8 @@ import warnings
 
 import torch
 
-from zero_core.interfaces.accelerator import Accelerator
+from zero_core.interfaces.accelerator import Accelerator, module_present
 
-from . import module_present
 
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"

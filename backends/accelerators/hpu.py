@@ -15,9 +15,8 @@ import os
 
 import torch
 
-from zero_core.interfaces.accelerator import Accelerator
+from zero_core.interfaces.accelerator import Accelerator, module_present
 
-from . import module_present
 
 INSTALL_HINT = ("habana_frameworks is not installed: it comes with Intel Gaudi's software "
                 "stack (use Intel's Gaudi PyTorch container, or install the habana-torch-plugin "

@@ -12,9 +12,9 @@ import os
 
 import torch
 
-from zero_core.interfaces.accelerator import Accelerator
+from zero_core.interfaces.accelerator import Accelerator, module_present
 
-from . import module_present, torch_build
+from . import torch_build
 
 IPEX = "intel_extension_for_pytorch"
 

@@ -6,10 +6,20 @@ third-party plugins. Stream and event helpers are no-ops on synchronous devices.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
+
+
+def module_present(name: str) -> bool:
+    """True if module *name* can be imported here, found without importing it: what an
+    ``availability()`` (and ``zero-core report``) asks before touching a vendor library."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that fails to import
+        return False
 
 
 class Accelerator(ABC):
