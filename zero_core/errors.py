@@ -9,6 +9,10 @@ class ConfigError(ZeroCoreError, ValueError):
     """A configuration key, value or combination that cannot work."""
 
 
+class ConfigWarning(UserWarning):
+    """A config key that DeepSpeed itself ignores (an unknown top-level key): named, not fatal."""
+
+
 class PluginError(ZeroCoreError):
     """A plugin could not be found, loaded or selected."""
 

@@ -10,12 +10,13 @@ import difflib
 import fnmatch
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from zero_core.config.keys import (_SWITCHABLE_SECTIONS, NEUTRAL_VALUES, NOT_YET_IMPLEMENTED,
-                                   SUPPORTED_KEYS)
-from zero_core.errors import ConfigError
+from zero_core.config.keys import (_SWITCHABLE_SECTIONS, NEUTRAL_VALUES, NO_EFFECT_KEYS,
+                                   NOT_YET_IMPLEMENTED, SUPPORTED_KEYS)
+from zero_core.errors import ConfigError, ConfigWarning
 
 
 def _fail(path: str, value: Any, expected: str) -> ConfigError:
@@ -93,6 +94,32 @@ def _suggest(word: str, candidates) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+_SWITCH_OFF = {"enabled": False, "deepcompile": False}
+
+
+def _asks_for_nothing(section: Any) -> bool:
+    """True when every switch inside *section* (at any depth) is off: ``enabled`` and
+    ``deepcompile`` false, parallel sizes (``*_size``) at most 1 (absent switches are off,
+    DeepSpeed's defaults)."""
+    switches: list[bool] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, Mapping):
+            for k, v in node.items():
+                if k in _SWITCH_OFF:
+                    switches.append(v is _SWITCH_OFF[k])
+                elif isinstance(k, str) and k.endswith("_size") and not isinstance(v, Mapping):
+                    switches.append(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                    and v <= 1)
+                else:
+                    walk(v)
+
+    if not isinstance(section, Mapping):
+        return False
+    walk(section)
+    return all(switches)
+
+
 def _pending_feature(table: str, key: str) -> str | None:
     for pattern, what in NOT_YET_IMPLEMENTED.get(table, {}).items():
         if fnmatch.fnmatchcase(key, pattern):
@@ -126,6 +153,9 @@ class _Section:
                 continue
             path = self.key_path(key)
             value = self.raw[key]
+            if self._table_path(key) in NO_EFFECT_KEYS:
+                del self.raw[key]  # DeepSpeed documents it as not changing the result
+                continue
             feature = _pending_feature(self.table, key)
             if feature is not None:
                 if self._is_neutral(key, value):
@@ -140,7 +170,15 @@ class _Section:
                     hint = "; remove the key to train without it"
                 raise ConfigError(f"config key '{path}' ({feature}) is not implemented yet in "
                                   f"zero-core{hint}")
-            where = f"in '{self.path}'" if self.path else "at the top level"
+            if not self.path:
+                # DeepSpeed reads the top-level keys it knows and ignores the rest
+                # (configs carry launcher or project settings there): name it, go on
+                del self.raw[key]
+                warnings.warn(f"config key '{key}' is not a DeepSpeed or zero-core key; "
+                              f"ignored, as DeepSpeed ignores it{_suggest(key, supported)}",
+                              ConfigWarning, stacklevel=5)
+                continue
+            where = f"in '{self.path}'"
             if ":" in self.table:
                 where += f" for {self.table.split(':', 1)[1]}"
             raise ConfigError(
@@ -159,7 +197,7 @@ class _Section:
                 isinstance(want, float) and not isinstance(value, bool)
                 and isinstance(value, (int, float)) and float(value) == want)
         if not self.path and key in _SWITCHABLE_SECTIONS:
-            return isinstance(value, Mapping) and value.get("enabled", False) is False
+            return _asks_for_nothing(value)
         return False
 
     def has(self, key: str) -> bool:

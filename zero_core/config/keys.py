@@ -26,8 +26,35 @@ fp16.loss_scale_window                                            1000          
 fp16.hysteresis                                                   2             overflows absorbed before halving
 fp16.consecutive_hysteresis                                       false         refill hysteresis on each good step
 fp16.min_loss_scale                                               1.0           > 0, floor of the dynamic scale
+fp16.auto_cast                                                    false         bool; engine.forward casts floating
+                                                                                inputs to fp16 (DeepSpeed's meaning; no
+                                                                                input is ever cast otherwise)
 bf16.enabled (also spelled ``bfloat16``)                          false         bool
-optimizer.type                                                    required      Adam | AdamW | SGD (any case)
+bf16.bf16_master_weights_and_grads                                false         bool; no fp32 master copy: the optimizer
+                                                                                updates bf16 values from bf16 gradients
+bf16.bf16_optimizer_states                                        false         bool; optimizer states in bf16 (needs
+                                                                                bf16_master_weights_and_grads)
+bf16.check_grad_overflow                                          true          bool; skip a step whose gradient norm is
+                                                                                not finite (engine.skipped_steps)
+torch_autocast.enabled                                            false         bool; fp32 parameters, forward under
+                                                                                torch.autocast (not with fp16/bf16)
+torch_autocast.dtype                                              null          "bf16" | "fp16" | null (torch's default
+                                                                                for the device)
+torch_autocast.lower_precision_safe_modules                       null          class paths; accepted (gradients are
+                                                                                reduced in fp32 for every module)
+communication_data_type                                           null          "fp32" | "fp16" | "bf16": the dtype
+                                                                                gradients are reduced in; null = the
+                                                                                compute dtype
+prescale_gradients                                                false         bool; divide by the world size before
+                                                                                the reduction (zero-core's default too)
+gradient_predivide_factor                                         1.0           > 0; f != 1: divide by f before the
+                                                                                reduction and by world/f after it
+data_types.grad_accum_dtype                                       null          null | compute dtype | "fp32" (bf16/fp16
+                                                                                training): dtype of accumulated grads
+data_types.param_dtype                                            null          must match fp16/bf16.enabled
+checkpoint.tag_validation                                         "Warn"        "Warn" | "Ignore" | "Fail": ranks saving
+                                                                                under different tags
+optimizer.type                                                    required      Adam | AdamW | SGD | Lamb (any case)
 optimizer.params.lr                                               1e-3          >= 0
 optimizer.params.betas (Adam, AdamW)                              [0.9, 0.999]  two numbers in [0, 1)
 optimizer.params.eps (Adam, AdamW)                                1e-8          > 0
@@ -36,6 +63,8 @@ optimizer.params.adam_w_mode (Adam, AdamW)                        true          
                                                                                 for "Adam" too; false is refused for AdamW
 optimizer.params.bias_correction (Adam, AdamW)                    true          bool
 optimizer.params.torch_adam (Adam, AdamW)                         false         accepted, no effect
+optimizer.params.max_coeff (Lamb)                                 10.0          > 0, upper clamp of the trust ratio
+optimizer.params.min_coeff (Lamb)                                 0.01          >= 0, lower clamp of the trust ratio
 optimizer.params.momentum (SGD)                                   0.0           >= 0
 optimizer.params.dampening (SGD)                                  0.0           >= 0
 optimizer.params.nesterov (SGD)                                   false         needs momentum > 0, dampening 0
@@ -58,7 +87,8 @@ zero_optimization.reduce_scatter                                  true          
 zero_optimization.stage3_prefetch_bucket_size                     5e7           elements gathered ahead of use, >= 0
 zero_optimization.stage3_param_persistence_threshold              1e5           parameters with fewer elements stay
                                                                                 gathered until the next step, >= 0
-zero_optimization.stage3_max_live_parameters                      1e9           elements gathered at once, >= 1
+zero_optimization.stage3_max_live_parameters                      1e9           elements gathered at once, >= 0
+                                                                                (0: nothing beyond what runs now)
 zero_optimization.stage3_max_reuse_distance                       1e9           keep a parameter gathered if it is used
                                                                                 again within this many elements, >= 0
 zero_optimization.stage3_gather_16bit_weights_on_model_save       false         bool; save_16bit_model() gathers
@@ -78,7 +108,8 @@ zero_optimization.zero_hpz_partition_size                         1             
 zero_optimization.zero_quantized_gradients                        false         bool; ZeRO++ qgZ: two-hop int4 gradient
                                                                                 all-to-all (stage 3 only)
 zero_optimization.sub_group_size                                  1e9           elements the offloaded optimizer steps at
-                                                                                once (NVMe: one swap unit), >= 1
+                                                                                once (NVMe: one swap unit), >= 0
+                                                                                (0: the smallest sub-groups)
 zero_optimization.offload_optimizer.device                        "none"        "none" | "cpu" | "nvme": fp32 master weights
                                                                                 and optimizer states in host memory / in
                                                                                 files; stepped on the CPU (stages 1-3)
@@ -121,6 +152,11 @@ comm_timeout (zero-core)                                          null          
 topology.ranks_per_node (zero-core)                               null          divisor of the world size, or null
 ================================================================  ============  ==========================================
 
+Accepted without effect (``NO_EFFECT_KEYS``, any value): DeepSpeed keys that tune only speed,
+logging or a DeepSpeed-internal mechanism, each with the reason in the table. Unknown
+top-level keys are ignored with a :class:`~zero_core.errors.ConfigWarning` naming them, as
+DeepSpeed ignores them; unknown keys inside a section are errors.
+
 Batch size: ``train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps
 The ``activation_checkpointing`` section is read by ``zero_core.checkpointing.configure(mpu,
 deepspeed_config=...)`` (as in DeepSpeed, the model code calls it; the engine does not).
@@ -134,7 +170,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SUPPORTED_KEYS", "NOT_YET_IMPLEMENTED", "NEUTRAL_VALUES", "OPTIMIZER_TYPES",
+__all__ = ["SUPPORTED_KEYS", "NO_EFFECT_KEYS", "NOT_YET_IMPLEMENTED", "NEUTRAL_VALUES", "OPTIMIZER_TYPES",
            "SCHEDULER_TYPES", "MAX_ZERO_STAGE"]
 
 # ---------------------------------------------------------------------------------------------
@@ -152,14 +188,19 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
          "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler",
          "zero_optimization", "steps_per_print", "wall_clock_breakdown",
          "zero_allow_untested_optimizer", "activation_checkpointing",
+         "communication_data_type", "prescale_gradients", "gradient_predivide_factor",
+         "data_types", "torch_autocast", "checkpoint",
          "accelerator", "comm_backend", "comm_timeout", "topology"),
     "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-             "consecutive_hysteresis", "min_loss_scale"),
-    "bf16": ("enabled",),
+             "consecutive_hysteresis", "min_loss_scale", "auto_cast"),
+    "bf16": ("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states",
+             "check_grad_overflow"),
     "optimizer": ("type", "params"),
     "optimizer.params:Adam": _ADAM_PARAMS,
     "optimizer.params:AdamW": _ADAM_PARAMS,
     "optimizer.params:SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+    "optimizer.params:Lamb": ("lr", "betas", "eps", "weight_decay", "bias_correction",
+                              "max_coeff", "min_coeff"),
     "scheduler": ("type", "params"),
     "scheduler.params:WarmupLR": _WARMUP_PARAMS,
     "scheduler.params:WarmupDecayLR": _WARMUP_PARAMS + ("total_num_steps",),
@@ -182,10 +223,47 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
                                             "pipeline_write"),
     "zero_optimization.offload_param": ("device", "nvme_path", "pin_memory", "buffer_count",
                                         "buffer_size", "max_in_cpu"),
+    "data_types": ("grad_accum_dtype", "param_dtype"),
+    "torch_autocast": ("enabled", "dtype", "lower_precision_safe_modules"),
+    "checkpoint": ("tag_validation",),
     "topology": ("ranks_per_node",),
     "activation_checkpointing": ("partition_activations", "cpu_checkpointing",
                                  "contiguous_memory_optimization", "number_checkpoints",
                                  "synchronize_checkpoint_boundary", "profile"),
+}
+
+# DeepSpeed keys that only tune speed, logging or a DeepSpeed-internal mechanism zero-core does
+# not have, and that DeepSpeed documents as leaving the training result unchanged: accepted at
+# any value, without effect (the reason is what the reference table below says).
+NO_EFFECT_KEYS: dict[str, str] = {
+    "zero_force_ds_cpu_optimizer": "picks DeepSpeed's CPU Adam kernel for offload; zero-core "
+                                   "always steps offloaded states with its own CPU kernel",
+    "aio": "tunes DeepSpeed's async-I/O library; zero-core's NVMe path has its own I/O",
+    "dataloader_drop_last": "applies to DeepSpeed's training_data loader, which zero-core "
+                            "does not build (initialize refuses training_data=)",
+    "seq_parallel_communication_data_type": "only used with sequence parallelism, which is "
+                                            "off (sequence_parallel_size 1)",
+    "timers": "throughput timer logging",
+    "bf16.immediate_grad_update": "when DeepSpeed's bf16 optimizer adds gradients into its "
+                                  "fp32 copy; the sum is the same",
+    "zero_optimization.round_robin_gradients": "the order of gradient copies for offload "
+                                               "(speed only)",
+    "zero_optimization.memory_efficient_linear": "a stage-3 linear-layer implementation that "
+                                                 "saves activation memory; results are equal",
+    "zero_optimization.log_trace_cache_warnings": "stage-3 trace-cache logging",
+    "zero_optimization.use_multi_rank_bucket_allreduce": "how DeepSpeed batches all-reduces "
+                                                         "(speed only)",
+    "zero_optimization.stage3_module_granularity_threshold": "how DeepSpeed groups small "
+                                                             "modules into fetches (speed only)",
+    "zero_optimization.module_granularity_threshold": "how DeepSpeed groups small modules into "
+                                                      "fetches (speed only)",
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": "CPU cores DeepSpeed's CPU Adam "
+                                                              "uses (speed only)",
+    "checkpoint.parallel_write": "pipeline-stage parallel writes (no pipeline here)",
+    "checkpoint.checkpoint_serialization": "torch.save serialization of DeepSpeed's files; "
+                                           "zero-core writes safetensors",
+    "checkpoint.writer": "DeepSpeed's fast/decoupled checkpoint writers (speed only; "
+                         "zero-core's writes are atomic and verified)",
 }
 
 # DeepSpeed keys zero-core does not implement yet: pattern -> what the key is for. Refused by
@@ -193,14 +271,8 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
 NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
     "": {
         "amp": "NVIDIA Apex AMP",
-        "torch_autocast": "torch.autocast mixed precision",
-        "communication_data_type": "a separate dtype for gradient communication",
-        "seq_parallel_communication_data_type": "sequence-parallel communication dtype",
-        "prescale_gradients": "gradient prescaling before the all-reduce",
-        "gradient_predivide_factor": "gradient pre-division before the all-reduce",
         "gradient_allreduce_op": "choosing sum instead of mean for the gradient reduction",
         "sparse_gradients": "sparse embedding gradients",
-        "checkpoint": "checkpoint options",
         "load_universal_checkpoint": "universal checkpoints",
         "use_node_local_storage": "node-local checkpoint storage",
         "pipeline": "pipeline parallelism",
@@ -224,96 +296,118 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
         "weight_quantization": "weight quantization",
         "sparse_attention": "sparse attention kernels",
         "hybrid_engine": "the RLHF hybrid engine",
-        "aio": "asynchronous NVMe I/O (ZeRO-Infinity offload)",
         "nebula": "Nebula checkpointing",
         "compile": "torch.compile / DeepCompile integration",
-        "data_types": "separate gradient-accumulation dtype",
-        "zero_force_ds_cpu_optimizer": "the DeepSpeed CPU optimizer switch",
         "memory_breakdown": "memory breakdown logging",
         "dump_state": "state dump at start",
         "disable_allgather": "broadcast instead of all-gather",
-        "dataloader_drop_last": "the DeepSpeed data loader",
         "graph_harvesting": "CUDA graph harvesting",
-        "timers": "throughput timers",
         "managed_gradient_accumulation": "client-managed accumulation boundaries",
         "use_data_before_expert_parallelism": "MoE data layout",
     },
     "fp16": {
-        "auto_cast": "casting inputs to fp16",
         "fp16_master_weights_and_grads": "fp16 master weights",
     },
-    "bf16": {
-        "bf16_master_weights_and_grads": "bf16 master weights",
-        "bf16_optimizer_states": "bf16 optimizer states",
-        "immediate_grad_update": "immediate bf16 gradient updates",
-        "check_grad_overflow": "overflow checks in bf16",
+    "data_types": {
+        "buffer_dtype": "a separate dtype for module buffers",
+        "keep_in_fp32_modules": "modules kept in fp32 under bf16/fp16",
+    },
+    "checkpoint": {
+        "load_universal": "loading universal checkpoints",
+        "use_node_local_storage": "node-local checkpoint storage",
     },
     "optimizer.params:Adam": {"amsgrad": "AMSGrad", "fused": "the fused torch kernel switch"},
     "optimizer.params:AdamW": {"amsgrad": "AMSGrad", "fused": "the fused torch kernel switch"},
+    "optimizer.params:Lamb": {"max_grad_norm": "FusedLamb's own gradient clipping (use "
+                                               "gradient_clipping)",
+                              "eps_inside_sqrt": "eps inside the square root",
+                              "amsgrad": "AMSGrad"},
     "zero_optimization": {
         "stage3_model_persistence_threshold": "ZeRO stage 3 whole-model persistence limit",
         "model_persistence_threshold": "ZeRO stage 3 whole-model persistence limit",
-        "stage3_module_granularity_threshold": "ZeRO stage 3 module granularity",
-        "module_granularity_threshold": "ZeRO stage 3 module granularity",
         "stage3_use_all_reduce_for_fetch_params": "ZeRO stage 3 all-reduce fetch",
         "use_all_reduce_for_fetch_params": "ZeRO stage 3 all-reduce fetch",
         "stage3_*": "this ZeRO stage 3 option",
-        "cpu_offload": "optimizer offload (ZeRO-Offload)",
-        "cpu_offload_param": "parameter offload",
-        "cpu_offload_use_pin_memory": "pinned offload buffers",
+        "cpu_offload": "optimizer offload (ZeRO-Offload; use offload_optimizer)",
+        "cpu_offload_param": "parameter offload (use offload_param)",
+        "cpu_offload_use_pin_memory": "pinned offload buffers (use offload_*.pin_memory)",
         "zeropp_loco_param": "ZeRO++ LoCo error feedback",
         "mics_shard_size": "MiCS sharding",
         "mics_hierarchical_params_gather": "MiCS hierarchical gather",
         "elastic_checkpoint": "elastic checkpoints",
-        "load_from_fp32_weights": "checkpoint loading options",
+        "load_from_fp32_weights": "loading the master weights from the 16-bit weights",
         "allgather_partitions": "broadcast instead of all-gather for updated parameters",
-        "round_robin_gradients": "round-robin gradient copies for offload",
-        "ignore_unused_parameters": "the unused-parameter switch",
+        "ignore_unused_parameters": "an error for parameters that get no gradient",
         "legacy_stage1": "legacy stage 1",
-        "memory_efficient_linear": "memory-efficient linear layers",
         "pipeline_loading_checkpoint": "pipelined checkpoint loading",
         "override_module_apply": "module.apply override",
-        "log_trace_cache_warnings": "stage 3 trace cache",
         "compute_grad_norm": "switching off the gradient norm",
         "parameter_alignment": "16-byte parameter alignment",
         "save_muon_momentum_buffer_in_memory": "the Muon optimizer",
-        "use_multi_rank_bucket_allreduce": "multi-rank bucket all-reduce",
-        "zenflow": "ZenFlow",
+        "zenflow": "ZenFlow (asynchronous offloaded updates)",
+    },
+    "zero_optimization.offload_optimizer": {
+        "super_offload": "SuperOffload (GH200 superchip offload)",
     },
 }
 
 # A not-yet-implemented key is accepted at exactly one value: the one that asks for what
 # zero-core already does (DeepSpeed's default, the feature off). Any other value is refused.
 NEUTRAL_VALUES: dict[str, Any] = {
-    "fp16.auto_cast": False,
     "fp16.fp16_master_weights_and_grads": False,
-    "bf16.bf16_master_weights_and_grads": False,
-    "bf16.bf16_optimizer_states": False,
     "optimizer.params.amsgrad": False,
-    "prescale_gradients": False,
-    "gradient_predivide_factor": 1.0,
+    "optimizer.params.max_grad_norm": 0.0,
+    "optimizer.params.eps_inside_sqrt": False,
     "gradient_allreduce_op": "mean",
     "sparse_gradients": False,
     "memory_breakdown": False,
     "dump_state": False,
+    "disable_allgather": False,
+    "graph_harvesting": False,
+    "managed_gradient_accumulation": False,
+    "use_data_before_expert_parallelism": False,
+    "load_universal_checkpoint": False,
+    "use_node_local_storage": False,
+    "sequence_parallel_size": 1,
+    "data_types.buffer_dtype": None,
+    "checkpoint.load_universal": False,
+    "checkpoint.use_node_local_storage": False,
     "zero_optimization.allgather_partitions": True,
-    "zero_optimization.round_robin_gradients": False,
     "zero_optimization.cpu_offload": False,
+    "zero_optimization.cpu_offload_param": False,
+    "zero_optimization.cpu_offload_use_pin_memory": False,
     "zero_optimization.elastic_checkpoint": False,
+    "zero_optimization.load_from_fp32_weights": True,
+    "zero_optimization.ignore_unused_parameters": True,
+    "zero_optimization.legacy_stage1": False,
+    "zero_optimization.pipeline_loading_checkpoint": False,
+    "zero_optimization.override_module_apply": True,
     "zero_optimization.compute_grad_norm": True,
     "zero_optimization.parameter_alignment": False,
+    "zero_optimization.use_all_reduce_for_fetch_params": False,
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": False,
+    "zero_optimization.mics_shard_size": -1,
+    "zero_optimization.mics_hierarchical_params_gather": False,
+    "zero_optimization.zeropp_loco_param": None,
+    "zero_optimization.zenflow": None,
+    "zero_optimization.offload_optimizer.super_offload": False,
 }
-# Whole sections with an "enabled" switch: {"enabled": false, ...} asks for nothing.
+# Whole sections that ask for nothing when every switch in them is off: "enabled": false
+# anywhere inside, "deepcompile": false, sizes of 1 ("autotp_size": 1, "tp_size": 1); DeepSpeed
+# defaults each of these switches to off, so a section with none of them asks for nothing.
 _SWITCHABLE_SECTIONS = frozenset({
     "torch_autocast", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
     "comms_logger", "elasticity", "autotuning", "hybrid_engine", "expert_parallel", "amp",
-    "eigenvalue", "progressive_layer_drop", "curriculum_learning", "nebula",
+    "eigenvalue", "progressive_layer_drop", "curriculum_learning", "nebula", "compile",
+    "tensor_parallel", "compression_training", "data_efficiency", "quantize_training",
+    "weight_quantization",
 })
 
-OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD")
+OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD", "Lamb")
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-_OPTIMIZERS_NOT_YET = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Muon", "Adagrad",
-                       "Lion", "FusedAdam", "CPUAdam", "Adafactor", "RMSprop")
+_OPTIMIZERS_NOT_YET = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Muon", "Adagrad",
+                       "Lion", "FusedAdam", "CPUAdam", "Adafactor", "RMSprop", "MuAdam",
+                       "MuAdamW", "MuSGD")
 _SCHEDULERS_NOT_YET = ("LRRangeTest", "OneCycle")
 
 MAX_ZERO_STAGE = 3  # stages above this are refused as "not implemented yet"

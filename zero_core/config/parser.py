@@ -21,8 +21,9 @@ from zero_core.config.checks import (_as_bool, _as_float, _as_int, _as_name, _fa
                                      _refuse_auto, _Section, _suggest)
 from zero_core.config.keys import (_OPTIMIZERS_NOT_YET, _SCHEDULERS_NOT_YET, MAX_ZERO_STAGE,
                                    OPTIMIZER_TYPES, SCHEDULER_TYPES)
-from zero_core.config.schema import (ActivationCheckpointingConfig, BF16Config, Config,
-                                     FP16Config, OffloadOptimizerConfig, OffloadParamConfig,
+from zero_core.config.precision import parse_precision
+from zero_core.config.schema import (ActivationCheckpointingConfig, CheckpointConfig, Config,
+                                     OffloadOptimizerConfig, OffloadParamConfig,
                                      OptimizerConfig, SchedulerConfig, TopologyConfig,
                                      ZeroConfig)
 from zero_core.errors import ConfigError
@@ -33,30 +34,6 @@ __all__ = ["parse_config", "parse_activation_checkpointing", "OFFLOAD_DEVICES"]
 # ---------------------------------------------------------------------------------------------
 # Sections.
 # ---------------------------------------------------------------------------------------------
-
-def _parse_fp16(raw: Any) -> FP16Config:
-    s = _Section(raw, "fp16", "fp16")
-    cfg = FP16Config(
-        enabled=s.get("enabled", False, _as_bool),
-        loss_scale=s.get("loss_scale", 0.0, _as_float, lo=0.0),
-        initial_scale_power=s.get("initial_scale_power", 16, _as_int, 0, 64),
-        loss_scale_window=s.get("loss_scale_window", 1000, _as_int, 1),
-        hysteresis=s.get("hysteresis", 2, _as_int, 1),
-        min_loss_scale=s.get("min_loss_scale", 1.0, _as_float, lo=0.0, lo_open=True),
-        consecutive_hysteresis=s.get("consecutive_hysteresis", False, _as_bool),
-    )
-    if cfg.enabled and cfg.dynamic and cfg.initial_scale < cfg.min_loss_scale:
-        raise _fail("fp16.initial_scale_power", cfg.initial_scale_power,
-                    f"the initial loss scale 2**{cfg.initial_scale_power} = {cfg.initial_scale:g} "
-                    f"is below fp16.min_loss_scale = {cfg.min_loss_scale:g}; raise "
-                    f"initial_scale_power or lower min_loss_scale")
-    return cfg
-
-
-def _parse_bf16(raw: Any, path: str) -> BF16Config:
-    s = _Section(raw, path, "bf16")
-    return BF16Config(enabled=s.get("enabled", False, _as_bool))
-
 
 def _canonical_type(path: str, value: Any, valid: tuple[str, ...], pending: tuple[str, ...],
                     what: str, any_case: bool) -> str:
@@ -101,6 +78,19 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig | None:
                         f"{momentum:g}, dampening={dampening:g})")
         return OptimizerConfig(type=kind, lr=lr, weight_decay=weight_decay, adamw_mode=False,
                                momentum=momentum, dampening=dampening, nesterov=nesterov)
+    if kind == "Lamb":
+        max_coeff = p.get("max_coeff", 10.0, _as_float, lo=0.0, lo_open=True)
+        min_coeff = p.get("min_coeff", 0.01, _as_float, lo=0.0)
+        if min_coeff > max_coeff:
+            raise _fail("optimizer.params.min_coeff", min_coeff,
+                        f"must not exceed optimizer.params.max_coeff = {max_coeff:g} (the trust "
+                        f"ratio is clamped to [min_coeff, max_coeff])")
+        return OptimizerConfig(
+            type=kind, lr=lr, weight_decay=weight_decay, adamw_mode=True,
+            betas=p.get("betas", (0.9, 0.999), _parse_betas),
+            eps=p.get("eps", 1e-8, _as_float, lo=0.0, lo_open=True),
+            bias_correction=p.get("bias_correction", True, _as_bool),
+            max_coeff=max_coeff, min_coeff=min_coeff)
     # Adam / AdamW. DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
     adam_w_mode = p.get("adam_w_mode", True, _as_bool)
     if kind == "AdamW" and not adam_w_mode:
@@ -262,7 +252,9 @@ def _parse_offload(s: "_Section", stage: int) -> dict:
         buffer_size=sub.get("buffer_size", 100_000_000, _as_int, 1),
         max_in_cpu=sub.get("max_in_cpu", 1_000_000_000, _as_int, 0))
     return {"offload_optimizer": opt, "offload_param": param,
-            "sub_group_size": s.get("sub_group_size", 1_000_000_000, _as_int, 1)}
+            # 0 is DeepSpeed's "as small as possible" (a sub-group per parameter there, the
+            # smallest aligned sub-group here)
+            "sub_group_size": max(1, s.get("sub_group_size", 1_000_000_000, _as_int, 0))}
 
 
 def _parse_zero(raw: Any, world_size: int = 1) -> ZeroConfig:
@@ -296,7 +288,7 @@ def _parse_zero(raw: Any, world_size: int = 1) -> ZeroConfig:
             ("stage3_param_persistence_threshold", "param_persistence_threshold"), 100_000,
             _as_int, 0),
         stage3_max_live_parameters=stage3(
-            ("stage3_max_live_parameters", "max_live_parameters"), 1_000_000_000, _as_int, 1),
+            ("stage3_max_live_parameters", "max_live_parameters"), 1_000_000_000, _as_int, 0),
         stage3_max_reuse_distance=stage3(
             ("stage3_max_reuse_distance", "max_reuse_distance"), 1_000_000_000, _as_int, 0),
         stage3_gather_16bit_weights_on_model_save=stage3(
@@ -305,6 +297,22 @@ def _parse_zero(raw: Any, world_size: int = 1) -> ZeroConfig:
         **_parse_zeropp(s, stage, world_size),
         **_parse_offload(s, stage),
     )
+
+
+_TAG_VALIDATION = ("WARN", "IGNORE", "FAIL")
+
+
+def _tag_validation(path: str, value: Any) -> str:
+    mode = _as_name(path, value).upper()  # DeepSpeed upper-cases it too
+    if mode not in _TAG_VALIDATION:
+        raise _fail(path, value, f"expected \"Warn\", \"Ignore\" or \"Fail\""
+                                 f"{_suggest(mode, _TAG_VALIDATION)}")
+    return mode
+
+
+def _parse_checkpoint(raw: Any) -> CheckpointConfig:
+    s = _Section(raw, "checkpoint", "checkpoint")
+    return CheckpointConfig(tag_validation=s.get("tag_validation", "WARN", _tag_validation))
 
 
 def _parse_topology(raw: Any, world_size: int) -> TopologyConfig:
@@ -433,23 +441,13 @@ def parse_config(config: Any = None, world_size: int = 1) -> Config:
         return config
 
     top = _Section(_load(config), "", "")
-    if top.has("bf16") and top.has("bfloat16"):
-        raise ConfigError("config keys 'bf16' and 'bfloat16' are both given; they are two "
-                          "spellings of the same section, keep one ('bf16')")
-    fp16 = _parse_fp16(top.raw.get("fp16"))
-    bf16_key = "bfloat16" if top.has("bfloat16") else "bf16"
-    bf16 = _parse_bf16(top.raw.get(bf16_key), bf16_key)
-    if fp16.enabled and bf16.enabled:
-        raise _fail(f"{bf16_key}.enabled", True, "fp16 and bf16 cannot both be enabled; pick one "
-                                                 "(bf16 needs no loss scaling)")
+    dtypes = parse_precision(top, world_size)
     tb, mb, ga = _resolve_batch(top, world_size)
     return Config(
         train_batch_size=tb,
         train_micro_batch_size_per_gpu=mb,
         gradient_accumulation_steps=ga,
         gradient_clipping=top.get("gradient_clipping", 0.0, _as_float, lo=0.0),
-        fp16=fp16,
-        bf16=bf16,
         optimizer=_parse_optimizer(top.raw.get("optimizer")),
         scheduler=_parse_scheduler(top.raw.get("scheduler")),
         zero_optimization=_parse_zero(top.raw.get("zero_optimization"), world_size),
@@ -462,5 +460,7 @@ def parse_config(config: Any = None, world_size: int = 1) -> Config:
         topology=_parse_topology(top.raw.get("topology"), world_size),
         activation_checkpointing=parse_activation_checkpointing(
             top.raw.get("activation_checkpointing")),
+        checkpoint=_parse_checkpoint(top.raw.get("checkpoint")),
         world_size=world_size,
+        **dtypes,
     )

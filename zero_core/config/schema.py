@@ -14,8 +14,24 @@ from typing import Any
 __all__ = [
     "Config", "FP16Config", "BF16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig",
     "OffloadOptimizerConfig", "OffloadParamConfig", "TopologyConfig",
-    "ActivationCheckpointingConfig",
+    "ActivationCheckpointingConfig", "TorchAutocastConfig", "CheckpointConfig", "DTYPE_NAMES",
+    "torch_dtype",
 ]
+
+#: DeepSpeed's dtype spellings (its DtypeEnum) -> zero-core's short name
+DTYPE_NAMES = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+}
+
+
+def torch_dtype(name: str | None):
+    """The torch dtype of a short name ("fp32", "fp16", "bf16"); None stays None."""
+    if name is None:
+        return None
+    import torch  # here, so that parsing a config never needs torch
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,8 @@ class FP16Config:
     hysteresis: int = 2
     min_loss_scale: float = 1.0
     consecutive_hysteresis: bool = False
+    # DeepSpeed's default: engine.forward casts no inputs; true casts floating inputs to fp16
+    auto_cast: bool = False
 
     @property
     def dynamic(self) -> bool:
@@ -43,9 +61,37 @@ class FP16Config:
 
 @dataclass(frozen=True)
 class BF16Config:
-    """bfloat16 mixed precision (no loss scaling needed)."""
+    """bfloat16 mixed precision (no loss scaling needed).
+
+    ``bf16_master_weights_and_grads``: the master weights (and the gradients the optimizer
+    reads) stay in bf16 instead of an fp32 copy; ``bf16_optimizer_states``: the optimizer
+    states are bf16 too (needs the first). ``check_grad_overflow`` (DeepSpeed's default: on):
+    a step whose global gradient norm is not finite is skipped."""
 
     enabled: bool = False
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+    check_grad_overflow: bool = True
+
+
+@dataclass(frozen=True)
+class TorchAutocastConfig:
+    """DeepSpeed's ``torch_autocast`` section: parameters stay fp32 and the forward runs
+    under ``torch.autocast(dtype)``; ``dtype`` None is torch's default for the device.
+    ``lower_precision_safe_modules`` are class paths whose parameters' gradients may be
+    communicated in the autocast dtype (None: DeepSpeed's list, Linear and ConvNd)."""
+
+    enabled: bool = False
+    dtype: str | None = None  # "bf16" | "fp16" | "fp32" | None
+    lower_precision_safe_modules: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """DeepSpeed's ``checkpoint`` section. ``tag_validation``: "WARN" | "IGNORE" | "FAIL"
+    when ranks save under different tags (DeepSpeed's default WARN)."""
+
+    tag_validation: str = "WARN"
 
 
 @dataclass(frozen=True)
@@ -67,6 +113,9 @@ class OptimizerConfig:
     dampening: float = 0.0
     nesterov: bool = False
     torch_adam: bool = False  # accepted for compatibility; zero-core picks its own kernel
+    # Lamb: the trust ratio ||w|| / ||update|| is clamped to [min_coeff, max_coeff]
+    max_coeff: float = 10.0
+    min_coeff: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -197,6 +246,14 @@ class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig)
+    # gradient path (DeepSpeed's names): the dtype gradients are reduced in, and the one the
+    # partitioned gradient accumulates in (None: the compute dtype); the averaging split
+    communication_data_type: str | None = None
+    grad_accum_dtype: str | None = None
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+    torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     world_size: int = 1  # the data-parallel world size the batch sizes were resolved for
 
     @property
@@ -214,6 +271,17 @@ class Config:
         import torch  # here, so that parsing a config never needs torch
         dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
         return dtypes[self.precision]
+
+    @property
+    def comm_dtype_name(self) -> str:
+        """The dtype gradients are reduced in: ``communication_data_type``, else the
+        compute dtype (DeepSpeed's rule)."""
+        return self.communication_data_type or self.precision
+
+    @property
+    def grad_accum_dtype_name(self) -> str:
+        """The dtype the partitioned gradient accumulates in (default: the compute dtype)."""
+        return self.grad_accum_dtype or self.precision
 
     def to_dict(self) -> dict:
         """The config as DeepSpeed-style JSON data; ``parse_config`` of it gives back an equal
@@ -234,6 +302,16 @@ class Config:
             "comm_timeout": self.comm_timeout,
             "topology": dataclasses.asdict(self.topology),
             "activation_checkpointing": dataclasses.asdict(self.activation_checkpointing),
+            "communication_data_type": self.communication_data_type,
+            "prescale_gradients": self.prescale_gradients,
+            "gradient_predivide_factor": self.gradient_predivide_factor,
+            "data_types": {"grad_accum_dtype": self.grad_accum_dtype},
+            "torch_autocast": {
+                "enabled": self.torch_autocast.enabled, "dtype": self.torch_autocast.dtype,
+                "lower_precision_safe_modules": (
+                    None if self.torch_autocast.lower_precision_safe_modules is None
+                    else list(self.torch_autocast.lower_precision_safe_modules))},
+            "checkpoint": dataclasses.asdict(self.checkpoint),
         }
         if self.optimizer is not None:
             opt = self.optimizer
@@ -243,7 +321,12 @@ class Config:
             else:
                 params = {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps,
                           "weight_decay": opt.weight_decay, "adam_w_mode": opt.adamw_mode,
-                          "bias_correction": opt.bias_correction, "torch_adam": opt.torch_adam}
+                          "bias_correction": opt.bias_correction}
+                if opt.type == "Lamb":
+                    params.update(max_coeff=opt.max_coeff, min_coeff=opt.min_coeff)
+                    del params["adam_w_mode"]
+                else:
+                    params["torch_adam"] = opt.torch_adam
             out["optimizer"] = {"type": opt.type, "params": params}
         if self.scheduler is not None:
             params = {k: (list(v) if isinstance(v, tuple) else v)

@@ -11,14 +11,20 @@ One optimizer step, at a gradient-accumulation boundary:
 
 The ``1/(world_size · gradient_accumulation_steps)`` of averaging is folded into the loss
 before backward, so reductions are plain sums and no pass over the gradients is spent on it.
+With DeepSpeed's ``gradient_predivide_factor`` f ≠ 1 the division is split as DeepSpeed splits
+it: 1/f before the reduction (in the loss), f/world_size after it (in the step's one
+multiplication, ``grad_factor``). DeepSpeed's default sums first and divides after; dividing
+first gives the same mean up to one rounding and spares a pass (ARCHITECTURE §4).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from zero_core.config import Config
+from zero_core.config.schema import torch_dtype
 from zero_core.errors import ConfigError, ZeroCoreError
 from zero_core.stage0to2.grad_reduce import GradReducer
 from zero_core.stage0to2.buffers import GroupBuffers
@@ -52,6 +58,11 @@ class ZeroEngine(torch.nn.Module):
         self.stage = config.zero_optimization.stage
         self.compute_dtype = config.compute_dtype
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
+        # what gradients are divided by before the reduction; the rest after it (see top)
+        predivide = config.gradient_predivide_factor
+        self._prescale = (float(self.world_size) if config.prescale_gradients or predivide == 1.0
+                          else predivide)
+        self._postscale = self._prescale / self.world_size
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -159,21 +170,31 @@ class ZeroEngine(torch.nn.Module):
     # ---- training API -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         """Run the model. Tensor arguments (also inside tuples, lists and dicts) are moved to
-        ``self.device``, so a data loader's host batches work on every accelerator; in
-        bf16/fp16 training floating-point ones are cast to the compute dtype (integer inputs
-        such as token ids are left alone). Targets given to the loss are the caller's to
-        move (``y.to(engine.device)``)."""
+        ``self.device``, so a data loader's host batches work on every accelerator. Inputs
+        keep their dtype, as in DeepSpeed: with ``fp16.auto_cast: true`` floating-point ones
+        are cast to fp16 (integer inputs such as token ids are left alone); in bf16 training
+        the model (or the caller) casts them. With ``torch_autocast`` enabled the model runs
+        under ``torch.autocast``. Targets given to the loss are the caller's to move
+        (``y.to(engine.device)``)."""
         args = tuple(self._to_device(a) for a in args)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
-        return self.module(*args, **kwargs)
+        with self._autocast():
+            return self.module(*args, **kwargs)
+
+    def _autocast(self):
+        ac = self.config.torch_autocast
+        if not ac.enabled:
+            return contextlib.nullcontext()
+        dtype = torch_dtype(ac.dtype) or torch.get_autocast_dtype(self.device.type)
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def _to_device(self, x):
         if isinstance(x, torch.Tensor):
             if x.device != self.device:
                 x = x.to(self.device)
-            if (self.compute_dtype != torch.float32 and x.is_floating_point()
-                    and x.dtype != self.compute_dtype):
-                x = x.to(self.compute_dtype)
+            if (self.config.fp16.auto_cast and x.is_floating_point()
+                    and x.dtype != torch.float16):
+                x = x.to(torch.float16)
             return x
         if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
             return type(x)(self._to_device(v) for v in x)
@@ -187,7 +208,7 @@ class ZeroEngine(torch.nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ZeroCoreError("engine.backward(loss) needs a scalar loss tensor; reduce it "
                                 "first (e.g. loss.mean())")
-        factor = self.loss_scale / (self.gradient_accumulation_steps * self.world_size)
+        factor = self.loss_scale / (self.gradient_accumulation_steps * self._prescale)
         (loss.float() * factor).backward(retain_graph=retain_graph)
         self.reducer.flush()
         return loss
@@ -213,16 +234,19 @@ class ZeroEngine(torch.nn.Module):
             self.comm.all_reduce(sumsq, "sum")
         sumsq = float(sumsq.item())
         scale = self.loss_scale
+        overflow = not math.isfinite(sumsq)
         if self.loss_scaler is not None:
-            overflow = not math.isfinite(sumsq)
             self.loss_scaler.update(overflow)
-            if overflow:
-                self.skipped_steps += 1
-                self._global_grad_norm = float("inf")
-                self._finish_step(stepped=False)
-                return
-        norm = math.sqrt(sumsq) / scale
-        factor = 1.0 / scale
+        # fp16 always skips an overflowing step; bf16 when check_grad_overflow (DeepSpeed's
+        # default); the decision is the same on every rank (the sum was all-reduced)
+        if overflow and (self.loss_scaler is not None or (
+                self.config.bf16.enabled and self.config.bf16.check_grad_overflow)):
+            self.skipped_steps += 1
+            self._global_grad_norm = float("inf")
+            self._finish_step(stepped=False)
+            return
+        norm = math.sqrt(sumsq) * self._postscale / scale
+        factor = self._postscale / scale
         clip = self.config.gradient_clipping
         if clip > 0 and math.isfinite(norm):
             # torch.nn.utils.clip_grad_norm_'s coefficient
