@@ -338,8 +338,12 @@ class ZeroEngine(torch.nn.Module):
     # ---- checkpoints (checkpoint/engine_state.py: format, resharding; save_load.py) ---------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
         """Collective: save everything needed to resume into ``save_dir/tag`` (default tag
-        ``global_step<N>``) atomically; returns that directory."""
+        ``global_step<N>``) atomically; returns that directory. A *tag* that differs across
+        ranks is handled as ``checkpoint.tag_validation`` says (checkpoint/tags.py)."""
         from zero_core.checkpoint.save_load import save_checkpoint
+        from zero_core.checkpoint.tags import validate_tag
+        if tag is not None:  # the default tag comes from global_steps, equal on every rank
+            tag = validate_tag(self.comm, str(tag), self.config.checkpoint.tag_validation)
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
