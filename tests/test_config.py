@@ -352,9 +352,6 @@ NOT_IMPLEMENTED_CASES = [
     ({"elasticity": {"enabled": True}}, "elasticity"),
     ({"autotuning": {"enabled": True}}, "autotuning"),
     ({"flops_profiler": {"enabled": True}}, "flops_profiler"),
-    ({"tensorboard": {"enabled": True}}, "tensorboard"),
-    ({"wandb": {"enabled": True}}, "wandb"),
-    ({"csv_monitor": {"enabled": True}}, "csv_monitor"),
     ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
      "compression_training"),
     ({"data_efficiency": {"enabled": True}}, "data_efficiency"),
@@ -377,15 +374,15 @@ def test_neutral_values_ask_for_nothing_and_are_accepted():
                               "zero_hpz_partition_size": 1, "round_robin_gradients": False},
         "fp16": {"enabled": True, "auto_cast": False},
         "prescale_gradients": False, "gradient_predivide_factor": 1,
-        "wandb": {"enabled": False, "project": "x"}, "flops_profiler": {"enabled": False},
+        "comms_logger": {"enabled": False, "verbose": True}, "flops_profiler": {"enabled": False},
     })
     assert same == plain
     assert parse_config({"bfloat16": {"enabled": True, "bf16_optimizer_states": False}}) == \
         parse_config({"bf16": {"enabled": True}})
     msg = error_of({"zero_optimization": {"zero_hpz_partition_size": 2}})
     assert "only 1 (the feature off) is accepted" in msg
-    # DeepSpeed's monitors default to off, so a section without "enabled" asks for nothing
-    assert parse_config({"wandb": {"project": "x"}}) == parse_config({})
+    # DeepSpeed's logging sections default to off: without "enabled" they ask for nothing
+    assert parse_config({"comms_logger": {"verbose": True}}) == parse_config({})
     # switch-off and size-1 settings of whole sections (DeepSpeedExamples and HF configs)
     assert parse_config({"compile": {"deepcompile": False}, "tensor_parallel": {"autotp_size": 1},
                          "sequence_parallel_size": 1, "hybrid_engine": {"enabled": False},

@@ -52,6 +52,25 @@ gradient_predivide_factor                                         1.0           
 data_types.grad_accum_dtype                                       null          null | compute dtype | "fp32" (bf16/fp16
                                                                                 training): dtype of accumulated grads
 data_types.param_dtype                                            null          must match fp16/bf16.enabled
+tensorboard.enabled                                               false         bool; rank 0 writes DeepSpeed's events
+tensorboard.output_path                                           ""            directory ("": the working directory)
+tensorboard.job_name                                              "DeepSpeed…"  subdirectory (default "DeepSpeedJobName")
+csv_monitor.enabled                                               false         bool; rank 0 writes DeepSpeed's events
+csv_monitor.output_path                                           ""            directory ("": the working directory)
+csv_monitor.job_name                                              "DeepSpeed…"  subdirectory (default "DeepSpeedJobName")
+wandb.enabled                                                     false         bool (needs the wandb package)
+wandb.group                                                       null          W&B run group
+wandb.team                                                        null          W&B entity
+wandb.project                                                     "deepspeed"   W&B project
+comet.enabled                                                     false         bool (needs comet_ml)
+comet.samples_log_interval                                        100           samples between two logs of an event
+comet.project                                                     null          passed to comet_ml.start
+comet.workspace                                                   null          passed to comet_ml.start
+comet.api_key                                                     null          passed to comet_ml.start
+comet.experiment_name                                             null          passed to comet_ml.start
+comet.experiment_key                                              null          passed to comet_ml.start
+comet.online                                                      null          passed to comet_ml.start
+comet.mode                                                        null          passed to comet_ml.start
 checkpoint.tag_validation                                         "Warn"        "Warn" | "Ignore" | "Fail": ranks saving
                                                                                 under different tags
 optimizer.type                                                    required      Adam | AdamW | SGD | Lamb (any case)
@@ -190,6 +209,7 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
          "zero_allow_untested_optimizer", "activation_checkpointing",
          "communication_data_type", "prescale_gradients", "gradient_predivide_factor",
          "data_types", "torch_autocast", "checkpoint",
+         "tensorboard", "csv_monitor", "wandb", "comet",
          "accelerator", "comm_backend", "comm_timeout", "topology"),
     "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "auto_cast"),
@@ -226,6 +246,11 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
     "data_types": ("grad_accum_dtype", "param_dtype"),
     "torch_autocast": ("enabled", "dtype", "lower_precision_safe_modules"),
     "checkpoint": ("tag_validation",),
+    "tensorboard": ("enabled", "output_path", "job_name"),
+    "csv_monitor": ("enabled", "output_path", "job_name"),
+    "wandb": ("enabled", "group", "team", "project"),
+    "comet": ("enabled", "samples_log_interval", "project", "workspace", "api_key",
+              "experiment_name", "experiment_key", "online", "mode"),
     "topology": ("ranks_per_node",),
     "activation_checkpointing": ("partition_activations", "cpu_checkpointing",
                                  "contiguous_memory_optimization", "number_checkpoints",
@@ -283,10 +308,6 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
         "autotuning": "the autotuner",
         "flops_profiler": "the FLOPs profiler",
         "comms_logger": "the communication logger (zero-core's ledger records every collective)",
-        "tensorboard": "TensorBoard monitoring",
-        "wandb": "Weights & Biases monitoring",
-        "csv_monitor": "CSV monitoring",
-        "comet": "Comet monitoring",
         "compression_training": "compression training",
         "data_efficiency": "data efficiency (curriculum learning, data routing)",
         "curriculum_learning": "curriculum learning",
@@ -396,7 +417,7 @@ NEUTRAL_VALUES: dict[str, Any] = {
 # anywhere inside, "deepcompile": false, sizes of 1 ("autotp_size": 1, "tp_size": 1); DeepSpeed
 # defaults each of these switches to off, so a section with none of them asks for nothing.
 _SWITCHABLE_SECTIONS = frozenset({
-    "torch_autocast", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
+    "flops_profiler",
     "comms_logger", "elasticity", "autotuning", "hybrid_engine", "expert_parallel", "amp",
     "eigenvalue", "progressive_layer_drop", "curriculum_learning", "nebula", "compile",
     "tensor_parallel", "compression_training", "data_efficiency", "quantize_training",

@@ -4,9 +4,9 @@ as frozen dataclasses with DeepSpeed's defaults, the keys each section accepts
 dict into one :class:`MonitorConfig`.
 
 They live apart from :mod:`zero_core.config.schema` / :mod:`zero_core.config.parser` because
-the four sections form one feature (:mod:`zero_core.monitor` writes them) with its own key
-check: an unknown key in a section is a :class:`~zero_core.errors.ConfigError` with a "did you
-mean", like every other section. Whether the package a writer needs (tensorboard, wandb,
+the four sections form one feature (:mod:`zero_core.monitor` writes them); their keys are
+checked like every other section's (an unknown key is a
+:class:`~zero_core.errors.ConfigError` with a "did you mean"). Whether the package a writer needs (tensorboard, wandb,
 comet_ml) is installed is checked when the monitor is built, not here: parsing a config needs
 neither torch nor any of them.
 """
@@ -17,20 +17,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from zero_core.config.checks import _as_bool, _as_int, _as_name, _fail, _optional, _suggest
+from zero_core.config.checks import (_as_bool, _as_int, _as_name, _fail, _optional, _Section,
+                                     _suggest)
+from zero_core.config.keys import SUPPORTED_KEYS
 from zero_core.errors import ConfigError
 
 __all__ = ["TensorBoardConfig", "CSVMonitorConfig", "WandbConfig", "CometConfig",
            "MonitorConfig", "MONITOR_SECTIONS", "COMET_MODES", "parse_monitors"]
 
-#: section name -> the keys DeepSpeed accepts in it (its pydantic models forbid any other)
+#: section name -> the keys DeepSpeed accepts in it (its pydantic models forbid any other);
+#: the table itself is SUPPORTED_KEYS in keys.py, the one list of accepted keys
 MONITOR_SECTIONS: dict[str, tuple[str, ...]] = {
-    "tensorboard": ("enabled", "output_path", "job_name"),
-    "csv_monitor": ("enabled", "output_path", "job_name"),
-    "wandb": ("enabled", "group", "team", "project"),
-    "comet": ("enabled", "samples_log_interval", "project", "workspace", "api_key",
-              "experiment_name", "experiment_key", "online", "mode"),
-}
+    name: SUPPORTED_KEYS[name] for name in ("tensorboard", "csv_monitor", "wandb", "comet")}
 
 #: how comet_ml.start opens the experiment (the values DeepSpeed's documentation names)
 COMET_MODES = ("get", "create", "get_or_create")
@@ -136,33 +134,7 @@ def _experiment_key(path: str, value: Any) -> str:
     return value
 
 
-class _MonitorSection:
-    """One monitor section: refuses keys DeepSpeed does not accept there, then reads values."""
-
-    def __init__(self, raw_top: Mapping, name: str):
-        raw = raw_top.get(name)
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, Mapping):
-            raise _fail(name, raw, "expected a JSON object ({...})")
-        self.name = name
-        self.raw = dict(raw)
-        valid = MONITOR_SECTIONS[name]
-        for key in self.raw:
-            if not isinstance(key, str):
-                raise _fail(f"{name}.{key}", key, "keys must be strings")
-            if key not in valid:
-                raise ConfigError(f"unknown config key '{name}.{key}'{_suggest(key, valid)} "
-                                  f"(valid keys in '{name}': {', '.join(valid)})")
-
-    def get(self, key: str, default: Any, convert, *args) -> Any:
-        assert key in MONITOR_SECTIONS[self.name], f"{key} not in MONITOR_SECTIONS[{self.name!r}]"
-        if key not in self.raw:
-            return default
-        return convert(f"{self.name}.{key}", self.raw[key], *args)
-
-
-def _parse_output_dir(s: _MonitorSection, cls):
+def _parse_output_dir(s: _Section, cls):
     return cls(enabled=s.get("enabled", False, _as_bool),
                output_path=s.get("output_path", "", _as_text),
                job_name=s.get("job_name", "DeepSpeedJobName", _as_text))
@@ -172,14 +144,14 @@ def parse_monitors(raw_top: Mapping) -> MonitorConfig:
     """The four monitor sections of the top-level config dict *raw_top* (absent = defaults)."""
     if not isinstance(raw_top, Mapping):
         raise _fail("", raw_top, "expected the config as a JSON object ({...})")
-    tensorboard = _parse_output_dir(_MonitorSection(raw_top, "tensorboard"), TensorBoardConfig)
-    csv_monitor = _parse_output_dir(_MonitorSection(raw_top, "csv_monitor"), CSVMonitorConfig)
-    w = _MonitorSection(raw_top, "wandb")
+    tensorboard = _parse_output_dir(_Section(raw_top.get("tensorboard"), "tensorboard", "tensorboard"), TensorBoardConfig)
+    csv_monitor = _parse_output_dir(_Section(raw_top.get("csv_monitor"), "csv_monitor", "csv_monitor"), CSVMonitorConfig)
+    w = _Section(raw_top.get("wandb"), "wandb", "wandb")
     wandb = WandbConfig(enabled=w.get("enabled", False, _as_bool),
                         group=w.get("group", None, _optional(_as_name)),
                         team=w.get("team", None, _optional(_as_name)),
                         project=w.get("project", "deepspeed", _as_name))
-    c = _MonitorSection(raw_top, "comet")
+    c = _Section(raw_top.get("comet"), "comet", "comet")
     comet = CometConfig(
         enabled=c.get("enabled", False, _as_bool),
         samples_log_interval=c.get("samples_log_interval", 100, _as_int, 0),

@@ -21,6 +21,7 @@ from zero_core.config.checks import (_as_bool, _as_float, _as_int, _as_name, _fa
                                      _refuse_auto, _Section, _suggest)
 from zero_core.config.keys import (_OPTIMIZERS_NOT_YET, _SCHEDULERS_NOT_YET, MAX_ZERO_STAGE,
                                    OPTIMIZER_TYPES, SCHEDULER_TYPES)
+from zero_core.config.monitors import parse_monitors
 from zero_core.config.precision import parse_precision
 from zero_core.config.schema import (ActivationCheckpointingConfig, CheckpointConfig, Config,
                                      OffloadOptimizerConfig, OffloadParamConfig,
@@ -461,6 +462,7 @@ def parse_config(config: Any = None, world_size: int = 1) -> Config:
         activation_checkpointing=parse_activation_checkpointing(
             top.raw.get("activation_checkpointing")),
         checkpoint=_parse_checkpoint(top.raw.get("checkpoint")),
+        monitor=parse_monitors(top.raw),
         world_size=world_size,
         **dtypes,
     )

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from zero_core.config.monitors import MonitorConfig
+
 __all__ = [
     "Config", "FP16Config", "BF16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig",
     "OffloadOptimizerConfig", "OffloadParamConfig", "TopologyConfig",
@@ -254,6 +256,7 @@ class Config:
     gradient_predivide_factor: float = 1.0
     torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)  # the four monitor sections
     world_size: int = 1  # the data-parallel world size the batch sizes were resolved for
 
     @property
@@ -312,6 +315,8 @@ class Config:
                     None if self.torch_autocast.lower_precision_safe_modules is None
                     else list(self.torch_autocast.lower_precision_safe_modules))},
             "checkpoint": dataclasses.asdict(self.checkpoint),
+            **{name: dataclasses.asdict(getattr(self.monitor, name))
+               for name in ("tensorboard", "csv_monitor", "wandb", "comet")},
         }
         if self.optimizer is not None:
             opt = self.optimizer

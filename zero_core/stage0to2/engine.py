@@ -32,6 +32,7 @@ from zero_core.interfaces.ledger import CommLedger
 from zero_core.optim.loss_scaler import build_loss_scaler
 from zero_core.memory import MemoryLedger, model_state_breakdown, optimizer_k
 from zero_core.model_sync import broadcast_buffers, check_parameters_match
+from zero_core.monitor.master import MonitorMaster, build_monitor
 from zero_core.optim.rules import collect_param_groups, rule_from_config, rule_from_torch_optimizer
 from zero_core.optim.partitioned import PartitionedOptimizer
 from zero_core.placement import move_module
@@ -52,6 +53,9 @@ class ZeroEngine(torch.nn.Module):
         self.runtime = runtime
         self.comm = runtime.comm
         self.global_rank = runtime.rank
+        # DeepSpeed's monitors (tensorboard, csv, wandb, comet); built first so that a missing
+        # package fails before anything is allocated; never None, as in DeepSpeed
+        self.monitor = build_monitor(config.monitor, self.global_rank) or MonitorMaster.off()
         self.local_rank = runtime.launch.local_rank
         self.world_size = runtime.world_size
         self.device = runtime.device
@@ -261,6 +265,12 @@ class ZeroEngine(torch.nn.Module):
         if stepped and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
+        if self.monitor.enabled and self.global_rank == 0:
+            # what DeepSpeed 0.19.8 writes at each optimizer step, skipped steps included
+            events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
+            if self.loss_scaler is not None:
+                events.append(("Train/Samples/loss_scale", self.loss_scale, self.global_samples))
+            self.monitor.write_events(events)
         now = self.comm.ledger.snapshot()
         self._last_comm = CommLedger.difference(now, self._comm_mark)
         self._comm_mark = now
@@ -294,6 +304,11 @@ class ZeroEngine(torch.nn.Module):
         """L2 norm of the (unscaled, unclipped) averaged gradient at the last step; inf if
         that step overflowed; None before the first step."""
         return self._global_grad_norm
+
+    @property
+    def global_samples(self) -> int:
+        """DeepSpeed's sample counter: train_batch_size per optimizer step (skipped ones too)."""
+        return self.global_steps * self.config.train_batch_size
 
     @property
     def num_parameters(self) -> int:
@@ -332,8 +347,9 @@ class ZeroEngine(torch.nn.Module):
         return self._last_comm
 
     def destroy(self) -> None:
-        """Remove the backward hooks (the model keeps its current values)."""
+        """Remove the backward hooks (the model keeps its current values); close monitors."""
         self.reducer.remove_hooks()
+        self.monitor.close()
 
     # ---- checkpoints (checkpoint/engine_state.py: format, resharding; save_load.py) ---------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
