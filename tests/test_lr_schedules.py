@@ -264,9 +264,24 @@ def test_build_from_config():
     assert build_scheduler(None, sgd([0.5])) is None
 
 
+def test_zero_warmup_steps_is_the_two_step_minimum():
+    # the HF Trainer fills warmup_num_steps 0 for "no warmup"; DeepSpeed's max(2, n) applies
+    runs = []
+    for n in (0, 2):
+        opt = sgd([1.0])
+        sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=0.5, warmup_num_steps=n,
+                         warmup_type="linear")
+        lrs = []
+        for _ in range(4):
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+        runs.append(lrs)
+    assert runs[0] == runs[1] and runs[0][0] < 0.5 == runs[0][-1]
+
+
 def test_direct_construction_validates():
     with pytest.raises(ConfigError, match="warmup_num_steps"):
-        WarmupLR(sgd([1.0]), warmup_num_steps=0)
+        WarmupLR(sgd([1.0]), warmup_num_steps=-1)
     with pytest.raises(ConfigError, match="warmup_type"):
         WarmupLR(sgd([1.0]), warmup_type="cosine")
     with pytest.raises(ConfigError, match="total_num_steps"):

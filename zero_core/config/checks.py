@@ -157,6 +157,9 @@ class _Section:
                 del self.raw[key]  # DeepSpeed documents it as not changing the result
                 continue
             feature = _pending_feature(self.table, key)
+            if (feature is not None and key not in NOT_YET_IMPLEMENTED.get(self.table, {})
+                    and difflib.get_close_matches(key, supported, n=1, cutoff=0.9)):
+                feature = None  # a wildcard caught a misspelt supported key: say so below
             if feature is not None:
                 if self._is_neutral(key, value):
                     del self.raw[key]  # asks for what zero-core does anyway

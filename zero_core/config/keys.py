@@ -15,7 +15,7 @@ train_batch_size                                                  derived       
 train_micro_batch_size_per_gpu                                    derived / 1   samples per rank per forward
 gradient_accumulation_steps                                       derived / 1   micro-batches per optimizer step
 gradient_clipping                                                 0.0           max global L2 grad norm; 0 = off
-steps_per_print                                                   10            integer >= 1
+steps_per_print                                                   10            integer >= 1, or inf (never; Accelerate)
 wall_clock_breakdown                                              false         bool
 zero_allow_untested_optimizer                                     false         bool; accepted, no effect (the engine
                                                                                 checks client optimizers itself)
@@ -91,7 +91,8 @@ scheduler.type                                                    required      
 scheduler.params.warmup_min_lr (WarmupLR, WarmupDecayLR)          0.0           lr at the start; number or list
 scheduler.params.warmup_max_lr (WarmupLR)                         optimizer lr  lr after warmup; number or list
 scheduler.params.warmup_max_lr (WarmupDecayLR)                    0.001         lr after warmup; number or list
-scheduler.params.warmup_num_steps                                 1000          >= 1 (at least 2 are used)
+scheduler.params.warmup_num_steps                                 1000          >= 0 (at least 2 are used; 0 is
+                                                                                the HF Trainer's "no warmup")
 scheduler.params.warmup_type                                      "log"         "log" | "linear"
 scheduler.params.total_num_steps (WarmupDecayLR, WarmupCosineLR)  required      >= 1
 scheduler.params.warmup_min_ratio (WarmupCosineLR)                0.0           in [0, 1], × optimizer lr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +28,7 @@ from zero_core.config.schema import (ActivationCheckpointingConfig, CheckpointCo
                                      OffloadOptimizerConfig, OffloadParamConfig,
                                      OptimizerConfig, SchedulerConfig, TopologyConfig,
                                      ZeroConfig)
-from zero_core.errors import ConfigError
+from zero_core.errors import ConfigError, ConfigWarning
 
 __all__ = ["parse_config", "parse_activation_checkpointing", "OFFLOAD_DEVICES"]
 
@@ -125,11 +126,16 @@ def _warmup_type(path: str, value: Any) -> str:
 
 
 def _warmup_steps(path: str, value: Any) -> int:
-    steps = _as_int(path, value)
-    if steps < 1:
-        raise _fail(path, value, "expected an integer >= 1 (DeepSpeed warms up over at least 2 "
-                                 "steps; there is no warmup-free setting)")
-    return steps
+    # 0 is what the HF Trainer fills in for "no warmup"; DeepSpeed before 0.19.8 took it as
+    # its minimum warmup of 2 steps (max(2, n)), as the schedules here do
+    return _as_int(path, value, 0)
+
+
+def _steps_per_print(path: str, value: Any) -> int | None:
+    # Accelerate fills in float("inf") for "never"; None here
+    if isinstance(value, float) and value == float("inf"):
+        return None
+    return _as_int(path, value, 1)
 
 
 def _parse_scheduler(raw: Any) -> SchedulerConfig | None:
@@ -244,9 +250,12 @@ def _parse_offload(s: "_Section", stage: int) -> dict:
         pipeline_write=sub.get("pipeline_write", False, _as_bool))
     sub, device, path = _parse_offload_section(s, "offload_param", stage)
     if device != "none" and stage != 3:
-        raise _fail("zero_optimization.offload_param.device", device,
-                    f"parameter offload works on stage 3's partitioned parameters; set "
-                    f"zero_optimization.stage to 3 (now {stage}) or device to 'none'")
+        # DeepSpeed reads offload_param only at stage 3 and ignores it below: so do we, aloud
+        warnings.warn(f"config key 'zero_optimization.offload_param.device' = {device!r} has "
+                      f"no effect at ZeRO stage {stage} (parameters are partitioned, and so "
+                      f"offloadable, only at stage 3); ignored, as DeepSpeed ignores it",
+                      ConfigWarning, stacklevel=4)
+        device, path = "none", None
     param = OffloadParamConfig(
         device=device, nvme_path=path, pin_memory=sub.get("pin_memory", False, _as_bool),
         buffer_count=sub.get("buffer_count", 5, _as_int, 2),
@@ -452,7 +461,7 @@ def parse_config(config: Any = None, world_size: int = 1) -> Config:
         optimizer=_parse_optimizer(top.raw.get("optimizer")),
         scheduler=_parse_scheduler(top.raw.get("scheduler")),
         zero_optimization=_parse_zero(top.raw.get("zero_optimization"), world_size),
-        steps_per_print=top.get("steps_per_print", 10, _as_int, 1),
+        steps_per_print=top.get("steps_per_print", 10, _steps_per_print),
         wall_clock_breakdown=top.get("wall_clock_breakdown", False, _as_bool),
         zero_allow_untested_optimizer=top.get("zero_allow_untested_optimizer", False, _as_bool),
         accelerator=top.get("accelerator", None, _optional(_as_name)),

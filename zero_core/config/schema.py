@@ -237,7 +237,7 @@ class Config:
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
-    steps_per_print: int = 10
+    steps_per_print: int | None = 10  # None: never (Accelerate's float("inf"))
     wall_clock_breakdown: bool = False
     # DeepSpeed's permission for client optimizers under ZeRO. Accepted without effect: the
     # engine checks a client optimizer itself (element-wise update rules only at stages 1-2).

@@ -69,9 +69,9 @@ def _per_group(value, groups: list[dict], name: str) -> list[float]:
 
 def _check_common(warmup_num_steps: Any, warmup_type: Any, last_batch_iteration: Any) -> None:
     if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) \
-            or warmup_num_steps < 1:
+            or warmup_num_steps < 0:
         raise ConfigError(f"scheduler.params.warmup_num_steps={warmup_num_steps!r}: expected an "
-                          f"integer >= 1")
+                          f"integer >= 0 (warmup lasts max(2, warmup_num_steps) steps)")
     if warmup_type not in ("log", "linear"):
         raise ConfigError(f"scheduler.params.warmup_type={warmup_type!r}: expected \"log\" or "
                           f"\"linear\"")
