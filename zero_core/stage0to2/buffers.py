@@ -1,18 +1,28 @@
 """The flat buffers of one parameter group and which piece of them each stage works on.
 
-Per group (Ψ_g trainable elements, N ranks, compute dtype c):
+Per group (Ψ_g trainable elements, N ranks, compute dtype c, gradient-accumulation
+dtype a = ``grad_dtype``):
 
 ==========================  =========================  ==========================
 buffer                      stage 0                    stage 1 / stage 2
 ==========================  =========================  ==========================
 ``param_buf`` (c, full)     model parameters are views of it
-``grad_buf`` (c, full)      ``.grad`` views            stage 1 only
-``grad_part`` (c, part.)    —                          stage 2 only: accumulator
-``master`` (fp32)           full (mixed precision)     partition (mixed precision)
+``grad_buf`` (a, full)      ``.grad`` views            stage 1 only
+``grad_part`` (a, part.)    —                          stage 2 only: accumulator
+``master`` (m)              full (mixed precision)     partition (mixed precision)
 ==========================  =========================  ==========================
+
+m is fp32, or bf16 with ``bf16.bf16_master_weights_and_grads`` (*master_dtype*; stages 1-2
+only, as in DeepSpeed: at stage 0 a bf16 master would be a second copy of ``param_buf``).
 
 In fp32 training there is no separate master: the fp32 parameters are stepped in place
 (stage 0: whole buckets; stages 1/2: this rank's slice of each bucket).
+
+a is c unless ``data_types.grad_accum_dtype`` asks for fp32 under bf16/fp16. Torch requires
+``.grad`` to have the parameter's dtype, so at stage 1 the fp32 ``grad_buf`` is then not
+``.grad`` views but an accumulator the reducer's hooks add each micro-step's ``.grad`` into
+(``.grad`` is dropped right after, as at stage 2; ``grad_views`` says which). Stage 0 refuses
+the mix, as DeepSpeed does.
 
 The class meets :class:`~zero_core.interfaces.engine_parts.BucketBuffersProtocol`; what
 the optimizer must do differently per stage it learns from ``state_kind`` and
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from zero_core.errors import ConfigError
 from zero_core.interfaces.engine_parts import BucketBuffersProtocol
 from zero_core.partitioning.flat_buffer import FlatBuffer
 from zero_core.memory import MemoryLedger
@@ -34,7 +45,8 @@ class GroupBuffers(BucketBuffersProtocol):
     def __init__(self, params: list[torch.nn.Parameter], stage: int,
                  compute_dtype: torch.dtype, device: torch.device, rank: int,
                  world_size: int, reduce_bucket_size: int, ledger: MemoryLedger,
-                 fp32_values: list[torch.Tensor]):
+                 fp32_values: list[torch.Tensor], grad_dtype: torch.dtype | None = None,
+                 master_dtype: torch.dtype = torch.float32):
         self.params = params
         self.stage = stage
         self.mixed = compute_dtype != torch.float32
@@ -47,20 +59,24 @@ class GroupBuffers(BucketBuffersProtocol):
         for i, value in enumerate(fp32_values):
             self.param_buf.param(i, value.shape).copy_(value)
         self.master = None
+        master_dtype = master_dtype_for(stage, compute_dtype, master_dtype)
         if self.mixed:
-            self.master = FlatBuffer(lay, self.state_kind, torch.float32, device, rank)
+            self.master = FlatBuffer(lay, self.state_kind, master_dtype, device, rank)
             ledger.track("master_weights", self.master.data)
             self._fill_master(fp32_values)
+        self.grad_dtype = _grad_dtype(stage, compute_dtype, grad_dtype)
+        # .grad must have the parameter's dtype: views only when the accumulator has it
+        self.grad_views = stage < 2 and self.grad_dtype == compute_dtype
         self.grad_buf = self.grad_part = None
         if stage < 2:
-            self.grad_buf = FlatBuffer(lay, "full", compute_dtype, device, rank)
+            self.grad_buf = FlatBuffer(lay, "full", self.grad_dtype, device, rank)
             ledger.track("gradients", self.grad_buf.data)
         else:
-            self.grad_part = FlatBuffer(lay, "partition", compute_dtype, device, rank)
+            self.grad_part = FlatBuffer(lay, "partition", self.grad_dtype, device, rank)
             ledger.track("gradients", self.grad_part.data)
         for i, p in enumerate(params):
             p.data = self.param_buf.param(i, p.shape)
-            p.grad = self.grad_view(i) if self.grad_buf is not None else None
+            p.grad = self.grad_view(i) if self.grad_views else None
 
     def _fill_master(self, fp32_values):
         if self.master.kind == "full":
@@ -97,20 +113,22 @@ class GroupBuffers(BucketBuffersProtocol):
 
     def replace_master(self, master: FlatBuffer, unit_master=None) -> None:
         """The offloaded optimizer keeps the fp32 master in its store from now on."""
+        check_master_handover(self.master, master)
         self.master = master
 
     def grad_view(self, i: int) -> torch.Tensor:
-        """The ``.grad`` view of parameter *i* (stages 0 and 1)."""
+        """The ``.grad`` view of parameter *i* (stages 0 and 1); with ``grad_views``
+        false (stage 1, fp32 accumulation), its slot of the fp32 accumulator."""
         return self.grad_buf.param(i, self.params[i].shape)
 
     def master_bucket(self, k: int) -> torch.Tensor:
-        """The fp32 values this rank updates for bucket *k*."""
+        """The master values (fp32, or bf16 master) this rank updates for bucket *k*."""
         if self.master is not None:
             return self.master.bucket(k)
         return self.param_buf.bucket(k) if self.stage == 0 else self.param_buf.shard(k)
 
     def reduced_grad_bucket(self, k: int) -> torch.Tensor:
-        """This rank's reduced gradient for bucket *k* (compute dtype), after reduction."""
+        """This rank's reduced gradient for bucket *k* (``grad_dtype``), after reduction."""
         if self.stage == 0:
             return self.grad_buf.bucket(k)
         if self.stage == 1:
@@ -131,7 +149,59 @@ class GroupBuffers(BucketBuffersProtocol):
         if self.grad_buf is None:
             return
         self.grad_buf.data.zero_()
+        if not self.grad_views:
+            return
         for i, p in enumerate(self.params):
             view = self.grad_view(i)
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view
+
+
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _grad_dtype(stage: int, compute_dtype: torch.dtype,
+                grad_dtype: torch.dtype | None) -> torch.dtype:
+    """The gradient accumulator's dtype (None: the compute dtype). Stage 0 keeps gradients
+    only in ``.grad``, which must have the parameter's dtype: DeepSpeed refuses the mix
+    there, and so does this."""
+    if grad_dtype is None or grad_dtype == compute_dtype:
+        return compute_dtype
+    if stage == 0:
+        c, a = _NAMES.get(compute_dtype, compute_dtype), _NAMES.get(grad_dtype, grad_dtype)
+        raise ConfigError(
+            f"data_types.grad_accum_dtype = \"{a}\" with {c} training is not supported at "
+            f"ZeRO stage 0: there gradients accumulate only in .grad, which must have the "
+            f"parameters' dtype ({c}); DeepSpeed refuses this mix too. Use "
+            f"zero_optimization.stage 1, 2 or 3 for {a} gradient accumulation, or remove "
+            f"data_types.grad_accum_dtype")
+    return grad_dtype
+
+
+def master_dtype_for(stage: int, compute_dtype: torch.dtype,
+                     master_dtype: torch.dtype) -> torch.dtype:
+    """*master_dtype* checked: fp32, or bf16 (``bf16.bf16_master_weights_and_grads``) under
+    bf16 training at stages 1-3, as DeepSpeed allows it (stage-3 buffers use this too)."""
+    if master_dtype == torch.float32:
+        return master_dtype
+    if master_dtype != torch.bfloat16 or compute_dtype != torch.bfloat16:
+        raise ConfigError(f"master weights in {master_dtype} with {compute_dtype} training: the "
+                          f"master is fp32, or bf16 with bf16.enabled and "
+                          f"bf16.bf16_master_weights_and_grads")
+    if stage == 0:
+        raise ConfigError("bf16.bf16_master_weights_and_grads needs zero_optimization.stage 1, 2 "
+                          "or 3 (DeepSpeed refuses stage 0 too): at stage 0 every rank holds the "
+                          "whole bf16 parameters already, so a bf16 master would only duplicate "
+                          "them. Set zero_optimization.stage to 1 or more, or remove the flag")
+    return master_dtype
+
+
+def check_master_handover(current: FlatBuffer | None, replacement: FlatBuffer) -> None:
+    """Refuse handing a bf16 master to the offloaded optimizer, whose store keeps fp32: the
+    bf16 master would silently become an fp32 one (stage-3 buffers use this too)."""
+    if current is not None and current.dtype != replacement.dtype:
+        raise ConfigError(
+            f"bf16.bf16_master_weights_and_grads is not available with "
+            f"zero_optimization.offload_optimizer yet: the offloaded optimizer keeps "
+            f"{replacement.dtype} master weights in its store, not {current.dtype}. Remove "
+            f"the bf16 master flags, or set offload_optimizer.device to 'none'")

@@ -8,8 +8,18 @@ bucket have their gradient for this backward, the bucket is reduced — asynchro
 - stage 1: reduce_scatter of the bucket into this rank's slice, only in the backward of
   the gradient-accumulation boundary (before that, gradients accumulate locally);
 - stage 2: every backward copies each gradient into a bucket buffer taken from a small
-  pool, frees ``.grad``, and reduce_scatters the bucket into the partition accumulator
-  (compute dtype); the full gradient never persists.
+  pool, frees ``.grad``, and reduce_scatters the bucket into the partition accumulator;
+  the full gradient never persists.
+
+Dtypes (DeepSpeed's ``communication_data_type`` and ``data_types.grad_accum_dtype``):
+every collective carries the gradient in the communication dtype (default: the compute
+dtype). Where the gradient is in another dtype, it is converted on its way into a pooled
+bucket buffer — at stage 2 by the copy the hook makes anyway, at stages 0/1 by one copy of
+the bucket before the collective — so the extra memory is bounded by the pool, not by the
+model. The reduced result lands in the accumulator's dtype (``grad_dtype`` of the buffers):
+directly when the dtypes agree, otherwise through a pooled output buffer and one copy (or
+add). At stage 1 with an fp32 accumulator under bf16/fp16 (the buffers' ``grad_views``
+false) each micro-step's ``.grad`` is added into the fp32 accumulator and dropped.
 
 Collectives must be issued in the same order on every rank, whatever order backward
 delivers gradients in on each rank: buckets are launched strictly in one fixed order
@@ -30,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from zero_core.errors import ConfigError
 from zero_core.partitioning.buffer_pool import BufferPool
 from zero_core.interfaces.communicator import Communicator
 from zero_core.interfaces.engine_parts import BucketBuffersProtocol, GradReducerProtocol
@@ -40,12 +51,14 @@ class GradReducer(GradReducerProtocol):
 
     *should_reduce()* says whether the backward now starting must reduce (stages 0/1:
     only at the gradient-accumulation boundary; stage 2: always). *registration_index*
-    maps id(param) to its position in the model, to order the buckets.
+    maps id(param) to its position in the model, to order the buckets. *comm_dtype*: the
+    dtype collectives carry gradients in (None: the compute dtype).
     """
 
     def __init__(self, groups: list[BucketBuffersProtocol], comm: Communicator, stage: int,
                  overlap: bool, registration_index: dict[int, int],
-                 should_reduce: Callable[[], bool], on_allocate=None, max_inflight: int = 4):
+                 should_reduce: Callable[[], bool], on_allocate=None, max_inflight: int = 4,
+                 comm_dtype: torch.dtype | None = None):
         self.groups, self.comm, self.stage, self.overlap = groups, comm, stage, overlap
         self.should_reduce = should_reduce
         self.max_inflight = max_inflight
@@ -68,9 +81,14 @@ class GradReducer(GradReducerProtocol):
                          default=0)
         dtype = groups[0].param_buf.dtype if groups else torch.float32
         device = groups[0].param_buf.data.device if groups else torch.device("cpu")
+        self.comm_dtype = comm_dtype_for(comm, comm_dtype or dtype,
+                                         "all_reduce" if stage == 0 else "reduce_scatter")
         ws = comm.world_size
-        self._out_pool = BufferPool(max(max_bucket // ws, 1), dtype, device, on_allocate)
-        self._grad_pool = BufferPool(max(max_bucket, 1), dtype, device, on_allocate)
+        # collectives' outputs, and the buckets they read when the gradient is in another
+        # dtype than the communication dtype (stage 2: always, it is where hooks copy into)
+        self._out_pool = BufferPool(max(max_bucket // ws, 1), self.comm_dtype, device,
+                                    on_allocate)
+        self._grad_pool = BufferPool(max(max_bucket, 1), self.comm_dtype, device, on_allocate)
         self._inflight: deque = deque()
         # stage 2: accumulator slices that the next reduction overwrites instead of adds to
         self._fresh = {gk: True for gk in self.order}
@@ -112,7 +130,13 @@ class GradReducer(GradReducerProtocol):
         self._delivered.add(id(p))
         g, i, segs = self._param_info[id(p)]
         gb = self.groups[g]
-        if self.stage < 2:
+        if self.stage < 2 and not gb.grad_views:
+            # stage 1, fp32 accumulator: add this micro-step's gradient, drop .grad
+            gb.grad_view(i).add_(p.grad)
+            p.grad = None
+            if not self._reducing:
+                return
+        elif self.stage < 2:
             view = gb.grad_view(i)
             if p.grad.data_ptr() != view.data_ptr():
                 # someone replaced .grad (e.g. model.zero_grad(set_to_none=True)): what the
@@ -155,23 +179,30 @@ class GradReducer(GradReducerProtocol):
         gb = self.groups[g]
         comm = self.comm
         if self.stage == 0:
-            handle = comm.all_reduce(gb.grad_buf.bucket(k), "sum", async_op=True)
-            done = None
+            bucket = gb.grad_buf.bucket(k)
+            send = self._in_comm_dtype(bucket)
+            handle = comm.all_reduce(send, "sum", async_op=True)
+            done = None if send is bucket else self._copy_back(send, bucket)
         elif self.stage == 1:
+            bucket = gb.grad_buf.bucket(k)
+            send = self._in_comm_dtype(bucket)
             out = self._out_pool.take(gb.layout.shard_size(k), self._finish_oldest)
-            handle = comm.reduce_scatter(out, gb.grad_buf.bucket(k), "sum", async_op=True)
+            handle = comm.reduce_scatter(out, send, "sum", async_op=True)
 
-            def done(out=out, dst=gb.grad_buf.shard(k)):
+            def done(out=out, dst=gb.grad_buf.shard(k), send=send, bucket=bucket):
                 dst.copy_(out)
                 self._out_pool.release(out)
+                if send is not bucket:
+                    self._grad_pool.release(send)
         else:
             src = self._bucket_grads.pop((g, k), None)
             if src is None or self._remaining[(g, k)]:
                 src = self._fill_missing(g, k, src)
             acc = gb.grad_part.bucket(k)
-            if self._fresh[(g, k)]:
+            fresh = self._fresh[(g, k)]
+            self._fresh[(g, k)] = False
+            if fresh and acc.dtype == src.dtype:
                 # first reduction since the last step: write the accumulator directly
-                self._fresh[(g, k)] = False
                 handle = comm.reduce_scatter(acc, src, "sum", async_op=True)
 
                 def done(src=src):
@@ -180,8 +211,9 @@ class GradReducer(GradReducerProtocol):
                 out = self._out_pool.take(gb.layout.shard_size(k), self._finish_oldest)
                 handle = comm.reduce_scatter(out, src, "sum", async_op=True)
 
-                def done(src=src, out=out, acc=acc):
-                    acc.add_(out)
+                def done(src=src, out=out, acc=acc, fresh=fresh):
+                    # into the accumulator's dtype: overwrite after a step, else add
+                    acc.copy_(out) if fresh else acc.add_(out)
                     self._out_pool.release(out)
                     self._grad_pool.release(src)
         if not self.overlap:
@@ -192,6 +224,22 @@ class GradReducer(GradReducerProtocol):
         self._inflight.append((handle, done))
         while len(self._inflight) > self.max_inflight:
             self._finish_oldest()
+
+    def _in_comm_dtype(self, bucket: torch.Tensor) -> torch.Tensor:
+        """Stages 0/1: *bucket* itself when it is in the communication dtype, else a pooled
+        copy converted to it."""
+        if bucket.dtype == self.comm_dtype:
+            return bucket
+        buf = self._grad_pool.take(bucket.numel(), self._finish_oldest)
+        buf.copy_(bucket)
+        return buf
+
+    def _copy_back(self, send: torch.Tensor, bucket: torch.Tensor):
+        """Stage 0, converted bucket: what to run once its all-reduce has landed."""
+        def done():
+            bucket.copy_(send)
+            self._grad_pool.release(send)
+        return done
 
     def _fill_missing(self, g, k, buf):
         """Stage 2, bucket flushed before all its parameters delivered a gradient (unused
@@ -237,3 +285,22 @@ class GradReducer(GradReducerProtocol):
     def communication_buffers(self) -> int:
         """Pooled buffers allocated so far (count)."""
         return self._out_pool.allocated + self._grad_pool.allocated
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The config's name of a gradient dtype ("fp32", "bf16", "fp16")."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype))
+
+
+def comm_dtype_for(comm: Communicator, dtype: torch.dtype, op: str) -> torch.dtype:
+    """*dtype* if *comm* can carry it for *op*; otherwise a ConfigError naming
+    ``communication_data_type`` (shared with the stage-3 reducer)."""
+    if not comm.supports(op, dtype):
+        name = dtype_name(dtype)
+        raise ConfigError(
+            f"gradients are reduced in {name} (communication_data_type, default: the compute "
+            f"dtype), but the {comm.name} communicator cannot carry {name} for {op}; set "
+            f"communication_data_type to a dtype it carries (e.g. \"fp32\") or pick another "
+            f"comm_backend")
+    return dtype

@@ -19,6 +19,14 @@ the missing places, in unit order.
 The collective itself is ``reduce_unit(u, output, input) -> handle`` (default: an async
 ``reduce_scatter`` sum over the world); ZeRO++'s qgZ (zero_core/zeropp/qgz.py) replaces it.
 
+Dtypes (DeepSpeed's ``communication_data_type`` and ``data_types.grad_accum_dtype``): the
+pooled unit buffer the hooks copy into is in the communication dtype, so that copy is the
+conversion and the collective carries that dtype; the result lands in ``unit.grad_part``'s
+dtype (the accumulator, fp32 when ``grad_accum_dtype`` says so) — directly when the two
+agree, otherwise through a pooled output buffer and one copy or add. qgZ quantizes to int4
+whatever it is given, so a communication dtype other than the compute dtype is refused with
+it. A parameter delivering twice in one backward is added in the communication dtype.
+
 Launch order is the order units complete, which is the same on every rank (same graph,
 same deterministic autograd schedule).
 """
@@ -28,9 +36,11 @@ from collections import deque
 
 import torch
 
+from zero_core.errors import ConfigError
 from zero_core.partitioning.buffer_pool import BufferPool
 from zero_core.interfaces.communicator import Communicator
 from zero_core.interfaces.engine_parts import GradReducerProtocol
+from zero_core.stage0to2.grad_reduce import comm_dtype_for, dtype_name
 from zero_core.stage3 import partitioned_params as pp
 from zero_core.stage3.coordinator import ParamCoordinator
 from zero_core.stage3.units import FetchUnit
@@ -38,11 +48,12 @@ from zero_core.stage3.units import FetchUnit
 
 class Stage3GradReducer(GradReducerProtocol):
     """The engine's gradient reducer at stage 3 (GradReducerProtocol: register_hooks,
-    flush, wait_all, mark_fresh, remove_hooks, communication_buffers), over fetch units."""
+    flush, wait_all, mark_fresh, remove_hooks, communication_buffers), over fetch units.
+    *comm_dtype*: the dtype the collective carries gradients in (None: the compute dtype)."""
 
     def __init__(self, units: list[FetchUnit], comm: Communicator, coordinator: ParamCoordinator,
                  overlap: bool, device: torch.device, on_allocate=None, max_inflight: int = 4,
-                 reduce_unit=None):
+                 reduce_unit=None, comm_dtype: torch.dtype | None = None):
         self.units = [u for u in units if u.trainable]
         self.comm, self.coord, self.overlap = comm, coordinator, overlap
         self._reduce = reduce_unit or self._reduce_scatter
@@ -53,10 +64,18 @@ class Stage3GradReducer(GradReducerProtocol):
                 self._slot[id(p)] = (u, i)
         biggest = max((u.padded_numel for u in self.units), default=1)
         dtype = self.units[0].part.dtype if self.units else torch.float32
+        self.comm_dtype = comm_dtype_for(comm, comm_dtype or dtype, "reduce_scatter")
+        if reduce_unit is not None and self.comm_dtype != dtype:
+            raise ConfigError(
+                f"communication_data_type {dtype_name(self.comm_dtype)} differs from the "
+                f"compute dtype {dtype_name(dtype)}, but zero_optimization.zero_quantized_gradients (ZeRO++ "
+                f"qgZ) sends gradients as int4, not in any float dtype; remove "
+                f"communication_data_type or set zero_quantized_gradients to false")
         # where gradients are produced: the compute device, also when the partitions are
         # offloaded to host memory (offload_param)
-        self._grad_pool = BufferPool(biggest, dtype, device, on_allocate)
-        self._out_pool = BufferPool(max(biggest // comm.world_size, 1), dtype, device, on_allocate)
+        self._grad_pool = BufferPool(biggest, self.comm_dtype, device, on_allocate)
+        self._out_pool = BufferPool(max(biggest // comm.world_size, 1), self.comm_dtype, device,
+                                    on_allocate)
         self._fresh = {u.index: True for u in self.units}
         self._bufs: dict[int, torch.Tensor] = {}
         self._delivered: dict[int, set] = {}
@@ -113,7 +132,7 @@ class Stage3GradReducer(GradReducerProtocol):
             acc.copy_(buf) if fresh else acc.add_(buf)
             self._grad_pool.release(buf)
             return
-        if fresh:
+        if fresh and acc.dtype == buf.dtype:
             handle = self._reduce(u, acc, buf)
 
             def done(buf=buf):
@@ -122,8 +141,9 @@ class Stage3GradReducer(GradReducerProtocol):
             out = self._out_pool.take(acc.numel(), self._finish_oldest)
             handle = self._reduce(u, out, buf)
 
-            def done(buf=buf, out=out, acc=acc):
-                acc.add_(out)
+            def done(buf=buf, out=out, acc=acc, fresh=fresh):
+                # into the accumulator's dtype: overwrite after a step, else add
+                acc.copy_(out) if fresh else acc.add_(out)
                 self._out_pool.release(out)
                 self._grad_pool.release(buf)
         if not self.overlap:
