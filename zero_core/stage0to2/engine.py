@@ -124,7 +124,8 @@ class ZeroEngine(torch.nn.Module):
             [gb for gb in self._buffers if gb is not None], self.comm, self.stage,
             self.config.zero_optimization.overlap_comm, self._registration,
             self.is_gradient_accumulation_boundary,
-            on_allocate=lambda t: self.memory_ledger.track("communication_buffers", t))
+            on_allocate=lambda t: self.memory_ledger.track("communication_buffers", t),
+            comm_dtype=torch_dtype(self.config.comm_dtype_name))
 
     def _build_buffers(self, model, groups):
         self._registration = {}
@@ -150,7 +151,8 @@ class ZeroEngine(torch.nn.Module):
         for ps, vals in zip(per_group, values):
             self._buffers.append(None if not ps else GroupBuffers(
                 ps, self.stage, self.compute_dtype, self.device, self.global_rank,
-                self.world_size, zc.reduce_bucket_size, self.memory_ledger, vals))
+                self.world_size, zc.reduce_bucket_size, self.memory_ledger, vals,
+                grad_dtype=torch_dtype(self.config.grad_accum_dtype_name)))
         del values
         for p in model.parameters():
             if id(p) not in trainable_ids:

@@ -28,6 +28,7 @@ import os
 
 import torch
 
+from zero_core.config.schema import torch_dtype
 from zero_core.errors import ConfigError
 from zero_core.stage0to2.engine import ZeroEngine
 from zero_core.model_sync import broadcast_buffers, check_parameters_match
@@ -112,9 +113,10 @@ class Stage3Engine(ZeroEngine):
     def _group_buffers(self, units, trainable: bool):
         args = (units, trainable, self.compute_dtype, self.device, self.global_rank,
                 self.world_size, self.memory_ledger, self._unit_values)
+        grad_dtype = torch_dtype(self.config.grad_accum_dtype_name)
         if self.param_offload is None:
-            return Stage3GroupBuffers(*args)
-        return OffloadedStage3GroupBuffers(*args, store=self.param_offload)
+            return Stage3GroupBuffers(*args, grad_dtype=grad_dtype)
+        return OffloadedStage3GroupBuffers(*args, store=self.param_offload, grad_dtype=grad_dtype)
 
     def _unit_values(self, u):
         """The unit's padded flat values in fp32; its parameters are released afterwards,
@@ -178,7 +180,8 @@ class Stage3Engine(ZeroEngine):
         return Stage3GradReducer(
             self.units, self.comm, self.coordinator, self.config.zero_optimization.overlap_comm,
             self.device, on_allocate=lambda t: self.memory_ledger.track("communication_buffers", t),
-            reduce_unit=self.zeropp.reduce_unit if self.zeropp else None)
+            reduce_unit=self.zeropp.reduce_unit if self.zeropp else None,
+            comm_dtype=torch_dtype(self.config.comm_dtype_name))
 
     # ---- training ----------------------------------------------------------------------------
     def _optimizer_step(self):
