@@ -16,18 +16,21 @@ with the optimizer kind, per-group hyperparameters, step counts and member param
 JSON in the header's ``__metadata__["optimizer"]``.
 
 A DeepSpeed ZeRO checkpoint directory (``zero_pp_rank_*_optim_states.pt`` and
-``*_model_states.pt``) is recognized and refused with the reason (reading it is not
-implemented yet; :func:`read_deepspeed`).
+``*_model_states.pt``, stages 0-3) converts to what DeepSpeed's ``zero_to_fp32`` gives,
+without DeepSpeed and one DeepSpeed file at a time (:func:`read_deepspeed`; the layout is
+read by deepspeed_layout.py).
 """
 from __future__ import annotations
 
 import json
 import os
+import struct
 
 import torch
 
 from zero_core.checkpoint import store
 from zero_core.checkpoint.store import CheckpointError, TensorEntry, dtype_from_name
+from zero_core.checkpoint.deepspeed_layout import DeepSpeedCheckpoint, deepspeed_tag_dir
 from zero_core.checkpoint.engine_state import MASTER, PARAM, fragment_index
 from zero_core.progress import ProgressBar
 
@@ -192,31 +195,106 @@ def _write_optimizer(shards: ShardSet, meta: dict, index: dict, where: str, out:
 def is_deepspeed_checkpoint(path: str, tag: str | None) -> bool:
     """Whether *path* (with *tag* or its ``latest``) holds DeepSpeed ZeRO files rather than
     a zero-core checkpoint."""
-    for d in _deepspeed_dirs(path, tag):
-        if os.path.isdir(d) and any(f.endswith("_optim_states.pt") or f.endswith("_model_states.pt")
-                                    for f in os.listdir(d)):
-            return not os.path.exists(os.path.join(d, store.METADATA))
-    return False
-
-
-def _deepspeed_dirs(path: str, tag: str | None) -> list:
-    if tag is not None:
-        return [os.path.join(path, str(tag))]
-    out = [path]
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as fh:
-            name = fh.read().strip()
-        if name and "/" not in name and not name.startswith("."):
-            out.insert(0, os.path.join(path, name))
-    return out
+    return deepspeed_tag_dir(path, tag) is not None
 
 
 def read_deepspeed(path, out, tag, dtype, optimizer_states, progress) -> dict:
-    """Not implemented: refuse with the reason and the way out."""
-    raise CheckpointError(
-        f"{path} is a DeepSpeed ZeRO checkpoint (zero_pp_rank_*_optim_states.pt / "
-        f"*_model_states.pt); zero-core convert cannot read it yet: those files are pickles "
-        f"holding DeepSpeed objects, and this reader is not written and tested yet. Use "
-        f"DeepSpeed's own zero_to_fp32.py in an environment with deepspeed installed, then "
-        f"load the result into the model and save_checkpoint() with zero-core")
+    """Write DeepSpeed checkpoint *tag* of *path* as one safetensors state dict at *out*:
+    what DeepSpeed's ``zero_to_fp32`` gives (fp32 master weights of the trained parameters,
+    frozen parameters, buffers, shared parameters under each name), in the model's
+    state-dict order, floating tensors in *dtype*.
+
+    Streams one DeepSpeed file at a time: the output's header is computed from the
+    model-states file, the data region allocated, then each rank file is read (restricted
+    unpickler, memory-mapped) and its pieces written at their places (``os.pwrite``).
+    Stage 0 files name no parameter of the optimizer's flat groups, so a stage-0
+    checkpoint converts to the module's weights as saved (bf16 training: the bf16 values).
+    """
+    ck = DeepSpeedCheckpoint(path, tag)
+    if optimizer_states:
+        raise CheckpointError(f"{ck.where}: --optimizer-states is not supported for DeepSpeed "
+                              f"checkpoints; convert the weights, or load the checkpoint into "
+                              f"a zero-core engine and save_checkpoint() to keep the states")
+    out_dtype = OUT_DTYPES[dtype]
+    index = ck.fragment_index(states=())
+    shapes = ck.param_shapes()
+    module = ck.model["module"]
+    keys = list(module) + [n for n in shapes if n not in module]
+    entries, offset = [], 0  # (key, dtype, shape, byte offset, source)
+    for key in keys:
+        target = ck.shared.get(key, key)
+        if key in ck.buffer_names:
+            t = module[key]
+            kind, shape, src_dtype = "buffer", tuple(t.shape), t.dtype
+        elif target in index:
+            kind, shape, src_dtype = "param", shapes[target], torch.float32
+        else:
+            raise CheckpointError(f"{ck.where}: state-dict key {key!r} is neither a buffer nor "
+                                  f"a parameter the checkpoint holds")
+        to = out_dtype if src_dtype.is_floating_point else src_dtype
+        nbytes = _numel(shape) * torch.empty((), dtype=to).element_size()
+        entries.append((key, to, shape, offset, kind, target))
+        offset += nbytes
+    header = {"__metadata__": {"format": "pt", "source": "deepspeed",
+                               "deepspeed_version": str(ck.model.get("ds_version")),
+                               "tag": os.path.basename(ck.tag_dir)}}
+    for key, to, shape, off, _, _ in entries:
+        n = _numel(shape) * torch.empty((), dtype=to).element_size()
+        header[key] = {"dtype": store.DTYPE_CODES[to], "shape": list(shape),
+                       "data_offsets": [off, off + n]}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    base = 8 + len(raw)
+    by_target: dict = {}
+    for e in entries:
+        by_target.setdefault(e[5], []).append(e)
+    files = sorted({p[0] for pieces in index.values() for p in pieces} | {ck.model_file})
+    bar = ProgressBar(len(files), "convert", enabled=progress)
+    tmp = out + ".tmp"
+    covered: dict = {}
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+            os.ftruncate(fd, base + offset)
+            values = data = None
+            for i, file in enumerate(files):
+                obj = ck.open(file)
+                for name, pieces in index.items():
+                    for f, start, end, fkeys in pieces:
+                        if f != file:
+                            continue
+                        col, off = next(fkeys[k] for k in (MASTER, PARAM) if k in fkeys)
+                        values = ck.column(obj, col).narrow(0, int(off), end - start)
+                        for key, to, shape, eoff, _, _ in by_target.get(name, ()):
+                            data = values.to(to).contiguous()
+                            os.pwrite(fd, _bytes(data), base + eoff + start * data.element_size())
+                        covered[name] = covered.get(name, 0) + end - start
+                if file == ck.model_file:
+                    for key, to, shape, eoff, kind, _ in entries:
+                        if kind == "buffer":
+                            os.pwrite(fd, _bytes(module[key].to(to).contiguous()), base + eoff)
+                obj = values = data = None  # this file's tensors go before the next is read
+                bar.update(i + 1)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        for name in index:
+            if covered.get(name, 0) != _numel(shapes[name]):
+                raise CheckpointError(f"{ck.where}: the pieces of {name!r} cover "
+                                      f"{covered.get(name, 0)} of its {_numel(shapes[name])} "
+                                      f"elements: the files do not match")
+        os.replace(tmp, out)
+    finally:
+        bar.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return {"out": out, "tag": os.path.basename(ck.tag_dir), "tensors": len(entries),
+            "bytes": base + offset, "source": "deepspeed", "stage": ck.stage,
+            "world_size": ck.world_size}
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -5,7 +5,8 @@ Saving: each rank writes its fragments (engine_state.py) and RNG states into its
 through the atomic store (store.py); rank 0 also writes the buffers and ``common.pt``; the
 directory becomes visible only when complete. Loading: every rank reads the manifest, plans
 which saved fragments overlap what it owns now, copies them in, then lets the engine
-rebuild what is derived (``_checkpoint_restored``).
+rebuild what is derived (``_checkpoint_restored``). DeepSpeed ZeRO checkpoints are
+recognized and handed to deepspeed_resume.py.
 
 Per rank, the shard also holds the rank's RNG states (torch CPU generator, the
 accelerator's, Python's ``random``, numpy's global generator); rank 0's shard holds the
@@ -22,6 +23,8 @@ import random
 import torch
 
 from zero_core.checkpoint import store
+from zero_core.checkpoint.deepspeed_layout import deepspeed_tag_dir
+from zero_core.checkpoint.deepspeed_resume import load_deepspeed
 from zero_core.checkpoint.engine_state import (WEIGHT_KEYS, fragment_index, parameter_names,
                                                plan_reads)
 from zero_core.checkpoint.store import CheckpointError, TensorEntry, dtype_name
@@ -259,7 +262,13 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
     ``load_module_only``: only parameters and buffers (not master-derived optimizer state,
     counters, scheduler, scaler or RNG). ``load_optimizer_states=False``: weights and
     counters but no optimizer states (they keep their current values).
+
+    A DeepSpeed ZeRO checkpoint directory (``*_model_states.pt`` / ``*_optim_states.pt``,
+    no ``metadata.json``) is loaded by deepspeed_resume.py, with the same arguments.
     """
+    if deepspeed_tag_dir(load_dir, tag) is not None:
+        return load_deepspeed(engine, load_dir, tag, load_optimizer_states,
+                              load_lr_scheduler_states, load_module_only)
     tag_dir, meta = store.read_metadata(load_dir, tag)
     where = os.path.join(tag_dir, store.METADATA)
     for key in ("model", "stage"):
