@@ -199,7 +199,9 @@ def test_convert_memory_is_about_one_tensor(saved, tmp_path):
         assert float(t.double().sum()) == pytest.approx(big["checksums"][name], rel=1e-9, abs=1e-9)
 
 
-def test_deepspeed_checkpoints_are_refused_with_the_reason(tmp_path):
+def test_a_damaged_deepspeed_checkpoint_is_refused_and_writes_nothing(tmp_path):
+    # DeepSpeed's own checkpoints convert (tests/test_deepspeed_checkpoints.py); files that
+    # only look like one are named, and no half-written output is left
     from zero_core.checkpoint.store import CheckpointError
     from zero_core.checkpoint.convert import convert
     tag = tmp_path / "global_step5"
