@@ -17,6 +17,11 @@ stage  partitioned                        mixed precision  fp32
 
 With b = 2, k = 12 that is the ARCHITECTURE §4 table's 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N; fp32: 16Ψ, 8Ψ + 8Ψ/N,
 4Ψ + 12Ψ/N.
+
+bf16 master weights (``bf16.bf16_master_weights_and_grads``, stages 1-3) store the master
+in 2 bytes instead of 4, and bf16 optimizer states (``bf16.bf16_optimizer_states``) the
+k - 4 state bytes at half size: with Adam at stage 2, 2Ψ + (2 + 2 + 8)Ψ/N, or
+2Ψ + (2 + 2 + 4)Ψ/N with both flags (``master_dtype`` / ``states_dtype`` below).
 """
 from __future__ import annotations
 
@@ -40,16 +45,27 @@ def _check(stage: int, world_size: int, precision: str):
 
 
 def model_state_breakdown(stage: int, num_params: int, world_size: int, precision: str,
-                          k: int = 12) -> dict:
+                          k: int = 12, master_dtype: str = "fp32",
+                          states_dtype: str = "fp32") -> dict:
     """Bytes per rank of parameters, gradients, master weights and optimizer states
     (the table in the module docstring, without padding). *k*: optimizer bytes per
-    parameter including the fp32 master copy (12 for Adam)."""
+    parameter including the fp32 master copy (12 for Adam). *master_dtype* /
+    *states_dtype*: "bf16" for ``bf16.bf16_master_weights_and_grads`` /
+    ``bf16.bf16_optimizer_states`` (bf16 training, stages 1-3), else "fp32"."""
     _check(stage, world_size, precision)
+    for name, value in (("master_dtype", master_dtype), ("states_dtype", states_dtype)):
+        if value not in ("fp32", "bf16"):
+            raise ValueError(f"{name}={value!r}: use 'fp32' or 'bf16'")
+    if (master_dtype, states_dtype) != ("fp32", "fp32") and (precision != "bf16" or stage == 0):
+        raise ValueError(f"bf16 master weights/states need bf16 precision at stage 1-3 "
+                         f"(got precision={precision!r}, stage={stage})")
+    if states_dtype == "bf16" and master_dtype != "bf16":
+        raise ValueError("states_dtype='bf16' needs master_dtype='bf16' (DeepSpeed's rule)")
     psi, n = num_params, world_size
     b = PRECISION_BYTES[precision]
     mixed = precision != "fp32"
-    master = 4 if mixed else 0
-    states = k - 4
+    master = PRECISION_BYTES[master_dtype] if mixed else 0
+    states = (k - 4) * PRECISION_BYTES[states_dtype] // 4
     part = lambda nbytes, partitioned: nbytes * psi / n if partitioned else nbytes * psi  # noqa: E731
     return {
         "parameters": part(b, stage >= 3),
@@ -60,16 +76,17 @@ def model_state_breakdown(stage: int, num_params: int, world_size: int, precisio
 
 
 def model_state_bytes(stage: int, num_params: int, world_size: int, precision: str,
-                      k: int = 12) -> float:
+                      k: int = 12, master_dtype: str = "fp32", states_dtype: str = "fp32") -> float:
     """Model-state bytes per rank (ARCHITECTURE §4 table; *k* = 12 for Adam)."""
-    return sum(model_state_breakdown(stage, num_params, world_size, precision, k).values())
+    return sum(model_state_breakdown(stage, num_params, world_size, precision, k,
+                                     master_dtype, states_dtype).values())
 
 
 def optimizer_k(optimizer_type: str, momentum: float = 0.0) -> int:
     """Bytes of optimizer state per parameter including the fp32 master copy (the k of
-    the formulas): Adam/AdamW 12, SGD with momentum 8, SGD without 4."""
+    the formulas): Adam/AdamW/Lamb 12, SGD with momentum 8, SGD without 4."""
     name = optimizer_type.lower()
-    if name in ("adam", "adamw"):
+    if name in ("adam", "adamw", "lamb"):
         return 12
     if name == "sgd":
         return 8 if momentum else 4

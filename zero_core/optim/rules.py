@@ -1,11 +1,13 @@
 """Which update rule the engine runs, and over which parameter groups.
 
 The engine never steps a user's optimizer object directly: it reads the optimizer's class
-and per-group hyperparameters and runs the same rule over its flat fp32 partitions —
-through the accelerator's fused kernels for Adam/AdamW/SGD, or by re-creating the same
+and per-group hyperparameters and runs the same rule over its flat partitions —
+through the accelerator's fused kernels for Adam/AdamW/SGD, by re-creating the same
 torch.optim class over the partitions for other optimizers whose state is element-wise
 (each state element depends only on the same element of parameter and gradient, so a
-slice of the flat buffer can be stepped on its own).
+slice of the flat buffer can be stepped on its own), or, for the config's "Lamb"
+(DeepSpeed's FusedLamb), element-wise moments plus one per-parameter trust ratio that
+optim/partitioned.py assembles from every rank's fragments.
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ ELEMENTWISE_TORCH_OPTIMIZERS = tuple(
 
 @dataclass(frozen=True)
 class UpdateRule:
-    """``kind``: "adam" / "sgd" (fused kernels) or "torch" (re-created torch.optim class).
-    ``adamw``: decoupled weight decay (Adam kind). ``defaults``: hyperparameters a group
-    dict may override."""
+    """``kind``: "adam" / "sgd" (fused kernels), "lamb" (FusedLamb: Adam moments and a
+    per-parameter trust ratio, see optim/partitioned.py) or "torch" (re-created
+    torch.optim class). ``adamw``: decoupled weight decay (Adam kind). ``defaults``:
+    hyperparameters a group dict may override."""
 
     kind: str
     adamw: bool = False
@@ -39,8 +42,8 @@ class UpdateRule:
 
     @property
     def state_names(self) -> tuple[str, ...]:
-        """Names of the flat fp32 state buffers the fused kernels need."""
-        if self.kind == "adam":
+        """Names of the flat state buffers the rule keeps per element."""
+        if self.kind in ("adam", "lamb"):
             return ("exp_avg", "exp_avg_sq")
         if self.kind == "sgd":
             return ("momentum_buffer",)
@@ -54,13 +57,35 @@ def rule_from_config(opt_cfg) -> UpdateRule:
         return UpdateRule("adam", adamw=adamw, bias_correction=opt_cfg.bias_correction,
                           defaults=(("lr", opt_cfg.lr), ("betas", tuple(opt_cfg.betas)),
                                     ("eps", opt_cfg.eps), ("weight_decay", opt_cfg.weight_decay)))
+    if opt_cfg.type == "Lamb":
+        # DeepSpeed's FusedLamb: weight decay enters the update (not the moments), the trust
+        # ratio ||w|| / ||update|| of each parameter is clamped to [min_coeff, max_coeff]
+        return UpdateRule("lamb", bias_correction=opt_cfg.bias_correction,
+                          defaults=(("lr", opt_cfg.lr), ("betas", tuple(opt_cfg.betas)),
+                                    ("eps", opt_cfg.eps), ("weight_decay", opt_cfg.weight_decay),
+                                    ("max_coeff", opt_cfg.max_coeff),
+                                    ("min_coeff", opt_cfg.min_coeff)))
     if opt_cfg.type == "SGD":
         return UpdateRule("sgd", defaults=(("lr", opt_cfg.lr), ("momentum", opt_cfg.momentum),
                                            ("dampening", opt_cfg.dampening),
                                            ("weight_decay", opt_cfg.weight_decay),
                                            ("nesterov", opt_cfg.nesterov)))
     raise ConfigError(f"optimizer.type={opt_cfg.type!r} has no update rule in the engine; "
-                      f"use Adam, AdamW or SGD")
+                      f"use Adam, AdamW, SGD or Lamb")
+
+
+def require_offloadable(rule: UpdateRule) -> None:
+    """Refuse, at initialize, an update rule the offloaded optimizer (zero_core/offload)
+    cannot run: it steps host sub-groups one at a time with the CPU Adam/SGD kernels, and
+    Lamb's trust ratio needs the norms of whole parameters before any element is updated
+    (a second pass over every sub-group, which the offloaded step does not have yet)."""
+    if rule.kind == "lamb":
+        raise ConfigError(
+            "optimizer.type='Lamb' is not available with zero_optimization.offload_optimizer "
+            "yet: the offloaded step updates host sub-groups one at a time, and Lamb's trust "
+            "ratio needs every parameter's norms first. Set "
+            "zero_optimization.offload_optimizer.device to 'none', or use Adam/AdamW/SGD with "
+            "offload")
 
 
 def rule_from_torch_optimizer(opt: torch.optim.Optimizer, stage: int) -> UpdateRule:
@@ -88,7 +113,7 @@ def rule_from_torch_optimizer(opt: torch.optim.Optimizer, stage: int) -> UpdateR
         f"optimizer {cls.__module__}.{cls.__name__} cannot be partitioned by ZeRO stage "
         f"{stage}: the engine re-creates the optimizer over flat slices of the parameters, "
         f"which is only correct when its update and state are element-wise. Supported "
-        f"classes: {names} (or the 'optimizer' config section: Adam, AdamW, SGD). Use one "
+        f"classes: {names} (or the 'optimizer' config section: Adam, AdamW, SGD, Lamb). Use one "
         f"of those, or zero_optimization.stage 0, which keeps whole parameters on every rank.")
 
 

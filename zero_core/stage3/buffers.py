@@ -4,9 +4,12 @@ Per group (Ψ_g elements, N ranks, compute dtype c), everything is a partition:
 
 ======================  =====================================================
 ``param_buf`` (c)        this rank's slice of every fetch unit (the parameters)
-``master`` (fp32)        the same slices in fp32 (mixed precision only; in fp32
-                         training ``param_buf`` is stepped in place)
-``grad_part`` (c)        reduced-gradient accumulator for the same slices
+``master`` (m)           the same slices in fp32, or bf16 with
+                         ``bf16.bf16_master_weights_and_grads`` (m: ``master_dtype``;
+                         mixed precision only: in fp32 training ``param_buf`` is
+                         stepped in place)
+``grad_part`` (a)        reduced-gradient accumulator for the same slices (a: the
+                         ``grad_dtype``, c unless data_types.grad_accum_dtype is fp32)
 ======================  =====================================================
 
 The layout is :func:`~zero_core.stage3.units.unit_layout` (bucket k = unit k), and the
@@ -29,6 +32,7 @@ from zero_core.interfaces.engine_parts import ParamStoreProtocol, UnitBuffersPro
 from zero_core.partitioning.flat_buffer import FlatBuffer
 from zero_core.memory import MemoryLedger
 from zero_core.partitioning.layout import alignment_for
+from zero_core.stage0to2.buffers import check_master_handover, master_dtype_for
 from zero_core.stage3.units import FetchUnit, unit_layout
 
 
@@ -38,7 +42,7 @@ class Stage3GroupBuffers(UnitBuffersProtocol):
     that building never holds more than one unit in full.
 
     Building goes in this order, each step a method a subclass may replace: the
-    parameter partitions (:meth:`_place_parameters`), the fp32 master
+    parameter partitions (:meth:`_place_parameters`), the master in ``master_dtype``
     (:meth:`_place_master`, mixed precision), the gradient accumulator
     (:meth:`_place_gradients`; after the units when ``GRADIENTS_AFTER_VALUES``), then
     every unit's values (:meth:`_store_initial`)."""
@@ -52,8 +56,13 @@ class Stage3GroupBuffers(UnitBuffersProtocol):
 
     def __init__(self, units: list[FetchUnit], trainable: bool, compute_dtype: torch.dtype,
                  device: torch.device, rank: int, world_size: int, ledger: MemoryLedger,
-                 full_values: Callable[[FetchUnit], torch.Tensor]):
+                 full_values: Callable[[FetchUnit], torch.Tensor],
+                 grad_dtype: torch.dtype | None = None,
+                 master_dtype: torch.dtype = torch.float32):
         self.units = units
+        #: fp32, or bf16 (bf16.bf16_master_weights_and_grads; checked as at stages 1-2)
+        self.master_dtype = master_dtype_for(3, compute_dtype, master_dtype)
+        self.grad_dtype = grad_dtype or compute_dtype   # the gradient accumulator's
         self.trainable = trainable
         self.mixed = trainable and compute_dtype != torch.float32
         self.rank, self.world_size = rank, world_size
@@ -89,12 +98,12 @@ class Stage3GroupBuffers(UnitBuffersProtocol):
         return [self.param_buf.bucket(k) for k in range(self.layout.num_buckets)]
 
     def _place_master(self, device, ledger) -> FlatBuffer:
-        master = FlatBuffer(self.layout, "partition", torch.float32, device, self.rank)
+        master = FlatBuffer(self.layout, "partition", self.master_dtype, device, self.rank)
         ledger.track("master_weights", master.data)
         return master
 
     def _place_gradients(self, compute_dtype, device, ledger) -> None:
-        self.grad_part = FlatBuffer(self.layout, "partition", compute_dtype, device, self.rank)
+        self.grad_part = FlatBuffer(self.layout, "partition", self.grad_dtype, device, self.rank)
         ledger.track("gradients", self.grad_part.data)
 
     def _store_initial(self, u: FetchUnit, values: torch.Tensor) -> None:
@@ -107,11 +116,11 @@ class Stage3GroupBuffers(UnitBuffersProtocol):
         return self.layout.num_buckets
 
     def master_bucket(self, k: int) -> torch.Tensor:
-        """The fp32 values this rank updates for unit *k*."""
+        """The master values (fp32, or a bf16 master) this rank updates for unit *k*."""
         return self.master.bucket(k) if self.master is not None else self.param_buf.bucket(k)
 
     def reduced_grad_bucket(self, k: int) -> torch.Tensor:
-        """This rank's reduced gradient of unit *k* (compute dtype)."""
+        """This rank's reduced gradient of unit *k* (``grad_dtype``)."""
         return self.grad_part.bucket(k)
 
     def reduced_grad_tensors(self) -> list[torch.Tensor]:
@@ -124,7 +133,8 @@ class Stage3GroupBuffers(UnitBuffersProtocol):
     def replace_master(self, master: FlatBuffer, unit_master) -> None:
         """The offloaded optimizer keeps the fp32 master in its store from now on; unit
         *k*'s ``master_part`` (where GatheredParameters writes back) becomes
-        ``unit_master(k)``."""
+        ``unit_master(k)``. A bf16 master is refused (the store keeps fp32)."""
+        check_master_handover(self.master, master)
         self.master = master
         for k, u in enumerate(self.units):
             u.master_part = unit_master(k)
@@ -140,10 +150,11 @@ class OffloadedStage3GroupBuffers(Stage3GroupBuffers):
     GRADIENTS_AFTER_VALUES = True
 
     def __init__(self, units, trainable, compute_dtype, device, rank, world_size, ledger,
-                 full_values, store: ParamStoreProtocol):
+                 full_values, store: ParamStoreProtocol, grad_dtype: torch.dtype | None = None,
+                 master_dtype: torch.dtype = torch.float32):
         self.store = store
         super().__init__(units, trainable, compute_dtype, device, rank, world_size, ledger,
-                         full_values)
+                         full_values, grad_dtype, master_dtype=master_dtype)
 
     def _place_parameters(self, compute_dtype, device, ledger) -> list[torch.Tensor]:
         self.param_buf, parts = self.store.place_group(self.layout, self.units)
@@ -151,7 +162,8 @@ class OffloadedStage3GroupBuffers(Stage3GroupBuffers):
 
     def _place_master(self, device, ledger) -> FlatBuffer:
         # handed to the offloaded optimizer's store, then dropped (engine order)
-        return FlatBuffer(self.layout, "partition", torch.float32, torch.device("cpu"), self.rank)
+        return FlatBuffer(self.layout, "partition", self.master_dtype, torch.device("cpu"),
+                          self.rank)
 
     def _store_initial(self, u: FetchUnit, values: torch.Tensor) -> None:
         self.store.write_initial(u, values)
