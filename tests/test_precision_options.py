@@ -148,3 +148,24 @@ def test_bf16_non_finite_step_is_skipped_with_check_grad_overflow(check):
             assert any(not torch.isfinite(a).all() for a in after)
     finally:
         engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp32_gradient_accumulation_in_the_ledger_and_the_formula(stage):
+    """data_types.grad_accum_dtype fp32 under bf16: the accumulator costs 4 bytes per element
+    (stage 1: the full buffer; stages 2-3: the partition), in the ledger and the formula."""
+    from zero_core.memory import model_state_breakdown
+    torch.manual_seed(3)
+    engine = engine_for(Probe(), stage=stage, bf16={"enabled": True},
+                        data_types={"grad_accum_dtype": "fp32"})
+    try:
+        engine.backward(engine(torch.randn(4, 6).bfloat16()).float().pow(2).mean())
+        engine.step()
+        rep = engine.memory_report()
+        form = model_state_breakdown(stage, engine.num_parameters, 1, "bf16", 4,
+                                     grads_dtype="fp32")
+        assert rep["formula"]["gradients"] == form["gradients"] == 4 * engine.num_parameters
+        pad = rep["padding_elements"]
+        assert 0 <= rep["ledger"]["gradients"] - form["gradients"] <= 4 * pad
+    finally:
+        engine.destroy()

@@ -46,12 +46,13 @@ def _check(stage: int, world_size: int, precision: str):
 
 def model_state_breakdown(stage: int, num_params: int, world_size: int, precision: str,
                           k: int = 12, master_dtype: str = "fp32",
-                          states_dtype: str = "fp32") -> dict:
+                          states_dtype: str = "fp32", grads_dtype: str | None = None) -> dict:
     """Bytes per rank of parameters, gradients, master weights and optimizer states
     (the table in the module docstring, without padding). *k*: optimizer bytes per
     parameter including the fp32 master copy (12 for Adam). *master_dtype* /
     *states_dtype*: "bf16" for ``bf16.bf16_master_weights_and_grads`` /
-    ``bf16.bf16_optimizer_states`` (bf16 training, stages 1-3), else "fp32"."""
+    ``bf16.bf16_optimizer_states`` (bf16 training, stages 1-3), else "fp32". *grads_dtype*:
+    the accumulated gradients' dtype (``data_types.grad_accum_dtype``; None = *precision*)."""
     _check(stage, world_size, precision)
     for name, value in (("master_dtype", master_dtype), ("states_dtype", states_dtype)):
         if value not in ("fp32", "bf16"):
@@ -69,17 +70,18 @@ def model_state_breakdown(stage: int, num_params: int, world_size: int, precisio
     part = lambda nbytes, partitioned: nbytes * psi / n if partitioned else nbytes * psi  # noqa: E731
     return {
         "parameters": part(b, stage >= 3),
-        "gradients": part(b, stage >= 2),
+        "gradients": part(PRECISION_BYTES[grads_dtype or precision], stage >= 2),
         "master_weights": part(master, stage >= 1),
         "optimizer_states": part(states, stage >= 1),
     }
 
 
 def model_state_bytes(stage: int, num_params: int, world_size: int, precision: str,
-                      k: int = 12, master_dtype: str = "fp32", states_dtype: str = "fp32") -> float:
+                      k: int = 12, master_dtype: str = "fp32", states_dtype: str = "fp32",
+                      grads_dtype: str | None = None) -> float:
     """Model-state bytes per rank (ARCHITECTURE §4 table; *k* = 12 for Adam)."""
     return sum(model_state_breakdown(stage, num_params, world_size, precision, k,
-                                     master_dtype, states_dtype).values())
+                                     master_dtype, states_dtype, grads_dtype).values())
 
 
 def optimizer_k(optimizer_type: str, momentum: float = 0.0) -> int:

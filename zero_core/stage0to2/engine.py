@@ -33,7 +33,8 @@ from zero_core.optim.loss_scaler import build_loss_scaler
 from zero_core.memory import MemoryLedger, model_state_breakdown, optimizer_k
 from zero_core.model_sync import broadcast_buffers, check_parameters_match
 from zero_core.monitor.master import MonitorMaster, build_monitor
-from zero_core.optim.rules import collect_param_groups, rule_from_config, rule_from_torch_optimizer
+from zero_core.optim.rules import (collect_param_groups, require_offloadable, rule_from_config,
+                                   rule_from_torch_optimizer)
 from zero_core.optim.partitioned import PartitionedOptimizer
 from zero_core.placement import move_module
 from zero_core.runtime.context import Runtime
@@ -72,6 +73,10 @@ class ZeroEngine(torch.nn.Module):
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
         self.memory_ledger = MemoryLedger()
+        # bf16.bf16_master_weights_and_grads / bf16_optimizer_states (config/precision.py)
+        self.master_dtype = (torch.bfloat16 if config.bf16.bf16_master_weights_and_grads
+                             else torch.float32)
+        self.state_dtype = torch.bfloat16 if config.bf16.bf16_optimizer_states else torch.float32
 
         optimizer = self._resolve_user_optimizer(optimizer, model_parameters, model)
         rule = (rule_from_torch_optimizer(optimizer, self.stage) if optimizer is not None
@@ -85,11 +90,12 @@ class ZeroEngine(torch.nn.Module):
         if config.zero_optimization.offload_optimizer.enabled:
             # master weights and optimizer states in host memory or files (zero_core/offload)
             from zero_core.offload.optimizer import build_offloaded_optimizer
+            require_offloadable(rule)
             self.optimizer = build_offloaded_optimizer(self, hyper_groups, rule)
         else:
             self.optimizer = PartitionedOptimizer(
                 hyper_groups, rule, self._buffers, runtime.kernels, self.comm,
-                self.memory_ledger, self.zero_grad)
+                self.memory_ledger, self.zero_grad, state_dtype=self.state_dtype)
         self._rule = rule
         self.reducer = self._build_reducer()
         self.reducer.register_hooks()
@@ -152,7 +158,8 @@ class ZeroEngine(torch.nn.Module):
             self._buffers.append(None if not ps else GroupBuffers(
                 ps, self.stage, self.compute_dtype, self.device, self.global_rank,
                 self.world_size, zc.reduce_bucket_size, self.memory_ledger, vals,
-                grad_dtype=torch_dtype(self.config.grad_accum_dtype_name)))
+                grad_dtype=torch_dtype(self.config.grad_accum_dtype_name),
+                master_dtype=self.master_dtype))
         del values
         for p in model.parameters():
             if id(p) not in trainable_ids:
@@ -328,11 +335,15 @@ class ZeroEngine(torch.nn.Module):
         formula of ARCHITECTURE §4 for the same model (``formula``; None for optimizers without a known
         per-parameter state size) and the accelerator's allocated/peak bytes."""
         formula = None
-        if self._rule.kind in ("adam", "sgd"):
+        if self._rule.kind in ("adam", "sgd", "lamb"):
             momentum = any(float(g.get("momentum", 0.0)) for g in self.optimizer.param_groups)
             k = optimizer_k(self._rule.kind, momentum)
+            name = {torch.float32: "fp32", torch.bfloat16: "bf16"}
             formula = model_state_breakdown(self.stage, self.num_parameters, self.world_size,
-                                            self.config.precision, k)
+                                            self.config.precision, k,
+                                            master_dtype=name[self.master_dtype],
+                                            states_dtype=name[self.state_dtype],
+                                            grads_dtype=self.config.grad_accum_dtype_name)
             formula["model_states"] = sum(formula.values())
         acc = self.runtime.accelerator
         offload = getattr(self.optimizer, "offload_report", None)

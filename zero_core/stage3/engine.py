@@ -115,8 +115,9 @@ class Stage3Engine(ZeroEngine):
                 self.world_size, self.memory_ledger, self._unit_values)
         grad_dtype = torch_dtype(self.config.grad_accum_dtype_name)
         if self.param_offload is None:
-            return Stage3GroupBuffers(*args, grad_dtype=grad_dtype)
-        return OffloadedStage3GroupBuffers(*args, store=self.param_offload, grad_dtype=grad_dtype)
+            return Stage3GroupBuffers(*args, grad_dtype=grad_dtype, master_dtype=self.master_dtype)
+        return OffloadedStage3GroupBuffers(*args, store=self.param_offload, grad_dtype=grad_dtype,
+                                           master_dtype=self.master_dtype)
 
     def _unit_values(self, u):
         """The unit's padded flat values in fp32; its parameters are released afterwards,
