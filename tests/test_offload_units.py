@@ -147,6 +147,9 @@ def test_offload_config_keys():
         "offload_param": {"device": "nvme", "nvme_path": "/y", "buffer_count": 6,
                           "buffer_size": 1e7, "max_in_cpu": 0}}}).zero_optimization
     assert cfg.sub_group_size == 1_000_000
+    # DeepSpeed's 0 (a sub-group per parameter there): the smallest sub-groups here
+    assert parse_config({"zero_optimization": {"stage": 3, "sub_group_size": 0}}) \
+        .zero_optimization.sub_group_size == 1
     assert cfg.offload_optimizer.device == "nvme" and cfg.offload_optimizer.buffer_count == 5
     assert cfg.offload_param.buffer_size == 10_000_000 and cfg.offload_param.max_in_cpu == 0
     assert not parse_config({}).zero_optimization.offload_optimizer.enabled
@@ -154,13 +157,12 @@ def test_offload_config_keys():
 
 @pytest.mark.parametrize("zo,words", [
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, ("stage", ">= 1")),
-    ({"stage": 2, "offload_param": {"device": "cpu"}}, ("offload_param.device", "stage to 3")),
     ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, ("nvme_path",)),
     ({"stage": 2, "offload_optimizer": {"device": "disk"}}, ("'none', 'cpu', 'nvme'",)),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}, ("partial offload",)),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 2}}, ("buffer_count",)),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "bogus": 1}}, ("bogus",)),
-    ({"stage": 2, "sub_group_size": 0}, ("sub_group_size",)),
+    ({"stage": 2, "sub_group_size": -1}, ("sub_group_size",)),
 ])
 def test_offload_config_errors(zo, words):
     with pytest.raises(ConfigError) as err:
