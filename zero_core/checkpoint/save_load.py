@@ -241,7 +241,10 @@ def engine_metadata(engine, described: dict, fragments) -> dict:
                       "groups": json.loads(json.dumps(
                           [{k: v for k, v in g.items() if k != "params"}
                            for g in engine.optimizer.param_groups], default=str))},
-        "dtypes": {"master": "float32", "optimizer_states": "float32",
+        # informational (loading reads each column's own dtype): bf16 with
+        # bf16_master_weights_and_grads / bf16_optimizer_states
+        "dtypes": {"master": dtype_name(engine.master_dtype),
+                   "optimizer_states": dtype_name(engine.state_dtype),
                    "param": dtype_name(engine.compute_dtype)},
         "layout": layout,
         "counters": {"global_steps": int(engine.global_steps),
