@@ -68,6 +68,9 @@ def test_mpi_library_version_matches_mpirun(env, capsys):
 
 
 def test_report_initializes_nothing(env, capsys):
+    # in-process engine tests that ran before may have left a runtime up: start clean
+    from zero_core.runtime.context import shutdown
+    shutdown()
     mpi_loaded_before = "mpi4py.MPI" in sys.modules
     report = report_json(capsys)
     assert report["torch_distributed_initialized"] is False
