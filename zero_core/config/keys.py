@@ -270,6 +270,10 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "seq_parallel_communication_data_type": "only used with sequence parallelism, which is "
                                             "off (sequence_parallel_size 1)",
     "timers": "throughput timer logging",
+    "log_level": "DeepSpeed's own logger level",
+    "disable_python_gc": "when DeepSpeed runs Python's garbage collector (speed only)",
+    "legacy_fusion": "which fused kernel DeepSpeed's fp16 optimizer calls (speed only)",
+    "zero_optimization.enable_sanity_checks": "DeepSpeed's internal debugging checks",
     "bf16.immediate_grad_update": "when DeepSpeed's bf16 optimizer adds gradients into its "
                                   "fp32 copy; the sum is the same",
     "zero_optimization.round_robin_gradients": "the order of gradient copies for offload "
@@ -367,6 +371,7 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
         "parameter_alignment": "16-byte parameter alignment",
         "save_muon_momentum_buffer_in_memory": "the Muon optimizer",
         "zenflow": "ZenFlow (asynchronous offloaded updates)",
+        "leaf_module": "stage-3 leaf modules (fetching a module's whole subtree at once)",
     },
     "zero_optimization.offload_optimizer": {
         "super_offload": "SuperOffload (GH200 superchip offload)",
