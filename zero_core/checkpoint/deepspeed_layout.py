@@ -318,12 +318,12 @@ class DeepSpeedCheckpoint:
         return t.reshape(-1)
 
     def _state_tensor(self, osd: dict, g: int, key: str):
+        inner = self._torch_optimizer_state(osd)
         if self.stage == 3:
-            return osd["optimizer_state_dict"]["state"][g][key]
-        base = osd["base_optimizer_state"]
-        if isinstance(base, list):  # elastic: one trimmed dict per group
-            return base[g][key]
-        return base["state"][base["param_groups"][g]["params"][0]][key]
+            return inner["state"][g][key]
+        if isinstance(inner, list):  # elastic: one trimmed dict per group
+            return inner[g][key]
+        return inner["state"][inner["param_groups"][g]["params"][0]][key]
 
     # ---- what the checkpoint says about the model ---------------------------------------
     def trained_groups(self) -> list[dict]:
@@ -534,18 +534,22 @@ class DeepSpeedCheckpoint:
             return None
         return dict(self._scaler)
 
-    def _group_steps(self, osd) -> list[int]:
+    def _torch_optimizer_state(self, osd):
+        """The wrapped torch optimizer's state dict in the saved optimizer state: stage 0
+        keeps it in the model file, stage 3 as ``optimizer_state_dict``, stages 1-2 as
+        ``base_optimizer_state`` — a dict, or (elastic checkpoints) one trimmed dict per group."""
         if self.stage == 0:
             opt = self.model.get("optimizer") or {}
-            inner = opt.get("optimizer_state_dict", opt) if isinstance(opt, dict) else {}
-        elif self.stage == 3:
-            inner = osd["optimizer_state_dict"]
-        else:
-            base = osd["base_optimizer_state"]
-            if isinstance(base, list):
-                step = osd.get("base_optimizer_state_step")
-                return [_step_of(step if step is not None else b.get("step", 0)) for b in base]
-            inner = base
+            return opt.get("optimizer_state_dict", opt) if isinstance(opt, dict) else {}
+        if self.stage == 3:
+            return osd["optimizer_state_dict"]
+        return osd["base_optimizer_state"]
+
+    def _group_steps(self, osd) -> list[int]:
+        inner = self._torch_optimizer_state(osd)
+        if isinstance(inner, list):
+            step = osd.get("base_optimizer_state_step")
+            return [_step_of(step if step is not None else b.get("step", 0)) for b in inner]
         state = inner.get("state") or {}
         out = []
         for g in inner.get("param_groups") or []:
@@ -555,14 +559,9 @@ class DeepSpeedCheckpoint:
         return out
 
     def _hyperparameters(self, osd) -> list[dict]:
-        if self.stage == 0:
-            opt = self.model.get("optimizer") or {}
-            inner = opt.get("optimizer_state_dict", opt) if isinstance(opt, dict) else {}
-        elif self.stage == 3:
-            inner = osd["optimizer_state_dict"]
-        else:
-            base = osd["base_optimizer_state"]
-            inner = base if isinstance(base, dict) else {}
+        inner = self._torch_optimizer_state(osd)
+        if not isinstance(inner, dict):
+            inner = {}
         return [{k: to_plain(v) for k, v in g.items() if k not in ("params", "step")}
                 for g in inner.get("param_groups") or []]
 
