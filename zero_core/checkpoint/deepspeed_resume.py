@@ -113,10 +113,7 @@ def load_deepspeed(engine, load_dir: str, tag=None, load_optimizer_states: bool 
                 buffers[n].copy_(ck.model["module"][n])
     except CheckpointError as exc:
         error = exc
-    if not store._agree(engine.comm, error is None):
-        raise error or CheckpointError(
-            f"loading DeepSpeed checkpoint {load_dir} failed on another rank (see its error); "
-            f"this rank's state may be partly overwritten: load again or restart")
+    store.raise_unless_loaded_everywhere(engine.comm, error, f"DeepSpeed checkpoint {load_dir}")
     engine._checkpoint_restored()
     if not load_module_only:
         _restore_common(engine, ck, states, load_lr_scheduler_states)

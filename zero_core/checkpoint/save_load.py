@@ -304,10 +304,7 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
             raise CheckpointError(f"{os.path.join(tag_dir, store.COMMON)} is not a dict")
     except CheckpointError as exc:
         error = exc
-    if not store._agree(engine.comm, error is None):
-        raise error or CheckpointError(
-            f"loading checkpoint {tag_dir} failed on another rank (see its error); this "
-            f"rank's state may be partly overwritten: load again or restart")
+    store.raise_unless_loaded_everywhere(engine.comm, error, f"checkpoint {tag_dir}")
     engine._checkpoint_restored()
     if not load_module_only:
         _restore_common(engine, common, states, load_lr_scheduler_states, tag_dir)

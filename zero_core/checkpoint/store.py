@@ -348,6 +348,15 @@ def _agree(comm, ok: bool) -> bool:
     return bool(int(flag))
 
 
+def raise_unless_loaded_everywhere(comm, error: Exception | None, what: str) -> None:
+    """Collective end of a load: raise this rank's *error*, or, when only another rank
+    failed, say so (every rank stops; none trains on a half-loaded state)."""
+    if not _agree(comm, error is None):
+        raise error or CheckpointError(
+            f"loading {what} failed on another rank (see its error); this rank's state may be "
+            f"partly overwritten: load again or restart")
+
+
 # ---- save ---------------------------------------------------------------------------------------
 def save_plain(path: str, obj) -> tuple[str, int]:
     """torch.save *obj* (plain data and tensors only) to *path*; fsync; (sha256, bytes)."""
