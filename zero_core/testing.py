@@ -173,6 +173,21 @@ def _stop_mpirun(proc: subprocess.Popen) -> str:
     return log + f"\n[zero_core.testing: mpirun stopped after its timeout]\n"
 
 
+def leave_rank() -> None:
+    """End a rank program after :func:`report`: tear the runtime down, then, unless the
+    launcher is mpirun (which needs the normal exit: MPI_Finalize), leave without the
+    interpreter's teardown — torch's gloo process group sometimes aborts there after
+    async all-to-alls ("terminate called without an active exception"; reproduced without
+    the engine), and the results are already reported."""
+    from zero_core.runtime.context import get_runtime, shutdown
+    launched_by_mpi = get_runtime().launch.is_mpi
+    shutdown()
+    if not launched_by_mpi:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def report(obj) -> None:
     """Called inside a rank: hand *obj* (JSON-serializable) back to :func:`run_ranks`."""
     out_dir = os.environ.get("ZERO_CORE_REPORT_DIR")

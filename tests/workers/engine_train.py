@@ -8,14 +8,13 @@ because a launch costs seconds and engines are cheap.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import zero_core
-from zero_core.testing import report
+from zero_core.testing import leave_rank, report
 
 VOCAB, DIM, SEQ, MICRO = 32, 16, 6, 2
 
@@ -260,16 +259,7 @@ def main():
     names = sys.argv[1].split(",")
     out = {name: SCENARIOS[name]() for name in names}
     report(out)
-    launched_by_mpi = zero_core.get_runtime().launch.is_mpi
-    zero_core.runtime.context.shutdown()
-    if not launched_by_mpi:
-        # torch's gloo process group sometimes aborts during interpreter teardown after
-        # async all-to-alls ("terminate called without an active exception"; reproduced
-        # without the engine, see the engine report). The results are reported above, so
-        # leave without running the teardown; mpirun needs the normal exit (MPI_Finalize).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    leave_rank()
 
 
 if __name__ == "__main__":

@@ -357,16 +357,9 @@ SCENARIOS = {
 }
 
 def main():
-    import zero_core
-    from zero_core.testing import report
+    from zero_core.testing import leave_rank, report
     report({name: SCENARIOS[name]() for name in sys.argv[1].split(",")})
-    launched_by_mpi = zero_core.get_runtime().launch.is_mpi
-    zero_core.runtime.context.shutdown()
-    if not launched_by_mpi:
-        # as tests/workers/engine_train.py: skip gloo's teardown once the results are out
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    leave_rank()
 
 
 if __name__ == "__main__":
