@@ -9,6 +9,8 @@ are installed as ``zero_core.backends`` / ``zero_core.accel_kernels``). Then:
 - the engine imports no backend (it finds them through the registry's entry points);
 - a backend imports from the engine only the interfaces, the errors and the kernels;
 - the kernels import nothing of the engine but errors and interfaces;
+- the framework integrations (``zero_core/integrations``) sit on top: nothing else imports
+  them, and only they import lightning, transformers or accelerate;
 - no file over 600 lines, at most 12 modules directly in ``zero_core/``, a docstring on
   every module;
 - every "ARCHITECTURE §N" / "ARCHITECTURE §N" reference names a section of docs/ARCHITECTURE.md.
@@ -164,6 +166,33 @@ def test_the_engine_imports_no_backend():
     bad = {m: sorted(t for t in targets if _within(t, "zero_core.backends"))
            for m, targets in GRAPH.items()
            if not _within(m, "zero_core.backends") and not _within(m, "zero_core.accel_kernels")}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+INTEGRATIONS = "zero_core.integrations"
+FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate")
+
+
+def test_nothing_below_imports_the_integrations():
+    bad = {m: sorted(t for t in targets if _within(t, INTEGRATIONS))
+           for m, targets in GRAPH.items() if not _within(m, INTEGRATIONS)}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+def _external_roots(path: pathlib.Path) -> set[str]:
+    """Top-level names of every absolute import in *path* (module- and function-level)."""
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_only_the_integrations_import_the_frameworks():
+    bad = {m: sorted(_external_roots(p) & set(FRAMEWORKS)) for m, p in MODULES.items()
+           if not _within(m, INTEGRATIONS)}
     assert {m: t for m, t in bad.items() if t} == {}
 
 
