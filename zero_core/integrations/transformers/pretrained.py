@@ -90,17 +90,17 @@ def save_names(model) -> list[tuple[str, torch.Tensor]]:
 
 
 def _revert_conversions(model, state: dict) -> dict:
-    """HF renames some checkpoint keys on load and back on save (conversion_mapping.py);
-    apply its renamings. Conversions that compute new tensors (fused experts) would need
-    whole tensors and are refused."""
-    from transformers.core_model_loading import WeightConverter, revert_weight_conversion
+    """HF renames some checkpoint keys on load and back on save, and orders the keys of a
+    model that ``from_pretrained`` loaded by their natural sort (core_model_loading.py's
+    ``revert_weight_conversion``); apply it to the stand-ins. Conversions that compute new
+    tensors (fused experts) would need whole tensors and are refused."""
     from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (PrefixChange, WeightConverter,
+                                                 revert_weight_conversion)
     conversions = getattr(model, "_weight_conversions", None)
     if conversions is None:
-        conversions = get_model_conversion_mapping(model, add_legacy=False)
-        conversions = [c for c in conversions if type(c).__name__ != "PrefixChange"]
-    if not conversions:
-        return state
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
     if any(isinstance(c, WeightConverter) for c in conversions):
         raise ZeroCoreError(
             f"save_pretrained: {type(model).__name__} converts weights between its checkpoint "
