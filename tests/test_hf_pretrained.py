@@ -118,7 +118,7 @@ def test_two_ranks_load_train_save(checkpoints, tmp_path):
 # ---- save_pretrained, one process --------------------------------------------------------------
 def _digest(directory) -> dict:
     return {f: hashlib.sha256(open(os.path.join(directory, f), "rb").read()).hexdigest()
-            for f in sorted(os.listdir(directory))}
+            for f in sorted(os.listdir(directory)) if os.path.isfile(os.path.join(directory, f))}
 
 
 def _tensors(path) -> tuple[list, dict, dict]:
@@ -168,6 +168,10 @@ def test_save_pretrained_stage3_engine_one_rank(tmp_path, runtime_down):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
     assert sorted(reloaded) == sorted(expected)
     assert all(torch.equal(reloaded[k], expected[k]) for k in expected)
+    # engine.module instead of the engine: its units' own gatherer, the same bytes
+    save_pretrained(engine.module, tmp_path / "module")
+    assert (_digest(tmp_path / "module")["model.safetensors"]
+            == _digest(tmp_path)["model.safetensors"])
     engine.destroy()
 
 

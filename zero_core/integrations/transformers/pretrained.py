@@ -52,6 +52,7 @@ def _unwrap(engine):
     module = getattr(engine, "module", None)
     if isinstance(module, torch.nn.Module) and hasattr(engine, "comm"):
         return module, engine.comm, engine.comm.rank, getattr(engine, "gatherer", None)
+    # a bare model: plain, built under Init, or an engine's module (partitioned parameters)
     if isinstance(engine, torch.nn.Module):
         if any(pp.is_partitioned(p) for p in engine.parameters()):
             from zero_core.runtime.context import get_runtime
@@ -124,6 +125,7 @@ class _Values:
 
     def __init__(self, comm, gatherer):
         self.comm, self.gatherer = comm, gatherer
+        self._gatherer = gatherer
         self._unit = None
         self._release = False
         self.fetched = 0
@@ -139,13 +141,15 @@ class _Values:
         u = meta.unit
         if u is not self._unit:
             self.done()
+            # engine.module passed instead of the engine: the unit's coordinator gathers
+            self._gatherer = self.gatherer or u.owner.gatherer
             self._unit, self._release = u, u.released
-            self.gatherer.wait(u)
+            self._gatherer.wait(u)
         return u.full.narrow(0, meta.offset, meta.numel).view(meta.shape)
 
     def done(self) -> None:
         if self._unit is not None and self._release and not self._unit.in_use:
-            self.gatherer.release(self._unit)
+            self._gatherer.release(self._unit)
         self._unit = None
 
 
