@@ -209,6 +209,8 @@ def test_save_pretrained_arguments():
         save_pretrained(tiny_gpt2(), "/nonexistent", safe_serialization=False)
     with pytest.raises(ConfigError, match="engine"):
         save_pretrained(object(), "/nonexistent")
+    with pytest.raises(ConfigError, match="no transformers config"):
+        save_pretrained(torch.nn.Linear(2, 2), "/nonexistent")
 
 
 # ---- from_pretrained, one process --------------------------------------------------------------
@@ -240,7 +242,7 @@ def test_from_pretrained_missing_unexpected_and_symmetric_tie(checkpoints, tmp_p
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
     got = _gathered(model)
     assert sorted(got) == sorted(ref)
-    assert all(torch.equal(got[k], ref[k]) for k in ref), [k for k in ref if not torch.equal(got[k], ref[k])]
+    assert [k for k in ref if not torch.equal(got[k], ref[k])] == []
     assert torch.equal(got["transformer.wte.weight"], state["lm_head.weight"])
 
 
@@ -275,7 +277,8 @@ def test_from_pretrained_errors(checkpoints, tmp_path, runtime_down):
     cfg = json.load(open(wrong / "config.json"))
     cfg["vocab_size"] = 100
     json.dump(cfg, open(wrong / "config.json", "w"))
-    with pytest.raises(PretrainedError, match=r"transformer\.wte\.weight: checkpoint \[96, 64\], model \[100, 64\]"):
+    shapes = r"transformer\.wte\.weight: checkpoint \[96, 64\], model \[100, 64\]"
+    with pytest.raises(PretrainedError, match=shapes):
         from_pretrained(wrong, config=zc(3))
     # not a directory; no zero-core config; a class without a path
     with pytest.raises(PretrainedError, match="not a local directory"):
@@ -284,3 +287,5 @@ def test_from_pretrained_errors(checkpoints, tmp_path, runtime_down):
         from_pretrained(checkpoints / "fp32_single")
     with pytest.raises(ConfigError, match="pretrained_model_name_or_path"):
         from_pretrained(transformers.GPT2LMHeadModel, config=zc(3))
+    with pytest.raises(ConfigError, match="floating torch.dtype"):
+        from_pretrained(checkpoints / "fp32_single", config=zc(3), dtype="int8")

@@ -62,7 +62,8 @@ def load_case(root: str, name: str, dtype=None) -> tuple[dict, object]:
     model = from_pretrained(path, config=zc_config(), **kw)
     t_zc = time.perf_counter() - t
     rank = torch.distributed.get_rank()
-    holds = {n: [pp.is_partitioned(p), pp.meta_of(p).own_part.numel() if pp.is_partitioned(p) else -1,
+    holds = {n: [pp.is_partitioned(p),
+                 pp.meta_of(p).own_part.numel() if pp.is_partitioned(p) else -1,
                  p.data.numel(), p.numel()] for n, p in model.named_parameters()}
     t = time.perf_counter()
     ref = AutoModelForCausalLM.from_pretrained(path, **kw)
@@ -90,7 +91,8 @@ def train_and_save(model, precision: str, out_dir: str, seed: int) -> dict:
     paths = save_pretrained(engine, out_dir, max_shard_size=SHARD)
     res = {"paths": sorted(os.path.basename(p) for p in paths),
            "exist": all(os.path.exists(p) for p in paths),
-           "changed": max(float((trained[k].float() - before[k].float()).abs().max()) for k in before)}
+           "changed": max(float((trained[k].float() - before[k].float()).abs().max())
+                          for k in before)}
     if rank == 0:
         reloaded = AutoModelForCausalLM.from_pretrained(out_dir)
         res["reload"] = compare(trained, reloaded.state_dict())

@@ -69,15 +69,7 @@ def save_names(model) -> list[tuple[str, torch.Tensor]]:
     entries = list(model.state_dict(keep_vars=True).items())
     ignore = getattr(model, "_keys_to_ignore_on_save", None) or ()
     entries = [(k, t) for k, t in entries if k not in ignore]
-    try:
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict
-    except ImportError:  # not a transformers model: keep each shared tensor under its first name
-        seen, out = set(), []
-        for k, t in entries:
-            if id(t) not in seen:
-                seen.add(id(t))
-                out.append((k, t))
-        return out
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
     # meta stand-ins: HF then groups names by the identity of the model's own tensor
     stand_ins = {k: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta") for k, t in entries}
     by_stand_in = {id(v): k for k, v in stand_ins.items()}
@@ -183,6 +175,10 @@ def save_pretrained(engine, save_directory, *, max_shard_size="5GB",
                           "written (transformers 5 writes only safetensors too); drop the argument")
     limit = hfs.parse_shard_size(max_shard_size)
     model, comm, rank, gatherer = _unwrap(engine)
+    if not hasattr(getattr(model, "config", None), "save_pretrained"):
+        raise ConfigError(f"save_pretrained: {type(model).__name__} has no transformers config "
+                          f"(model.config); it writes Hugging Face models only (other models: "
+                          f"engine.save_checkpoint, or save_16bit_model)")
     save_directory = os.fspath(save_directory)
     names = save_names(model)
     tensors = dict(names)
@@ -208,15 +204,17 @@ def save_pretrained(engine, save_directory, *, max_shard_size="5GB",
             shutil.rmtree(tmp, ignore_errors=True)
     # the other ranks take part in the same gathers, in the same order (rank 0 finishes
     # the remaining ones if its writing failed midway, so nobody waits forever)
-    if comm is not None and comm.world_size > 1 and (gatherer is not None or _any_partitioned(names)):
+    collective = gatherer is not None or _any_partitioned(names)
+    if comm is not None and comm.world_size > 1 and collective:
         for name in order[values.fetched:]:
             values(tensors[name])
     values.done()
     if not _agree(comm, not error):
         raise ZeroCoreError(f"save_pretrained to {save_directory} failed on rank 0"
-                            f"{(': ' + error) if error else ''}; files already there are "
-                            f"unchanged (fix the cause, e.g. disk space or permissions, and "
-                            f"save again)")
+                            f"{(': ' + error) if error else ''}. Files are moved into place "
+                            f"only once all are written, so an earlier save there is intact "
+                            f"unless the failure came while moving them; fix the cause (disk "
+                            f"space, permissions) and save again")
     finals = [os.path.join(save_directory, f) for f in _file_names(model, plan)]
     if comm is not None and comm.world_size > 1:
         comm.barrier()
@@ -248,11 +246,7 @@ def _write_all(model, save_directory, tmp, plan, entries, tensors, values, total
     os.makedirs(save_directory, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "save_pretrained"):
-        raise ZeroCoreError(f"save_pretrained: {type(model).__name__} has no transformers "
-                            f"config (model.config); save_pretrained writes HF models only")
-    config = copy.deepcopy(config)
+    config = copy.deepcopy(model.config)
     floating = [_dtype_of(p) for p in model.parameters() if _dtype_of(p).is_floating_point]
     if floating:
         config.dtype = str(floating[0]).split(".")[1]   # as HF records the model's dtype

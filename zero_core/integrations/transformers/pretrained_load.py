@@ -145,8 +145,8 @@ def _dtype(requested, hf_config, files: CheckpointFiles) -> torch.dtype:
     if isinstance(requested, str):
         requested = getattr(torch, requested, None)
     if not isinstance(requested, torch.dtype) or not requested.is_floating_point:
-        raise ConfigError(f"from_pretrained(dtype=...): pass 'auto', a floating torch.dtype or "
-                          f"its name (e.g. 'bfloat16')")
+        raise ConfigError("from_pretrained(dtype=...): pass 'auto', a floating torch.dtype or "
+                          "its name (e.g. 'bfloat16')")
     return requested
 
 
@@ -197,7 +197,8 @@ def from_pretrained(cls_or_name_or_path, config=None, **model_kwargs):
             "stage": cfg.zero_optimization.stage, "tensors": len(model.state_dict()),
             "peak_bytes": full, "partition_bytes": full, "full_model_bytes": full,
             "note": "stages 0-2 hold the whole model on every rank: loaded by transformers"}
-        _log_report(model.zero_core_load_report)
+        if discover().rank == 0:
+            _log_report(model.zero_core_load_report)
         return model
     with CheckpointFiles(path) as files:
         return _load_stage3(cls, path, hf_config, cfg, files, requested_dtype, kwargs)
@@ -238,14 +239,16 @@ def _load_stage3(cls, path, hf_config, cfg, files, requested_dtype, kwargs):
         loaded.add(key)
     unexpected = {n for n in files.where if n not in set(targets.values())}
     info = _finalize(model, files, targets, expected, loaded, unexpected, path)
+    unique = {id(t): t for t in model.state_dict(keep_vars=True).values()}.values()
     full = sum(pp.meta_of(t).numel * pp.meta_of(t).dtype.itemsize if pp.is_partitioned(t)
-               else _nbytes(t) for t in {id(t): t for t in model.state_dict(keep_vars=True).values()}.values())
-    partition = sum(_nbytes(pp.meta_of(p).own_part) for p in model.parameters() if pp.is_partitioned(p))
+               else _nbytes(t) for t in unique)
+    partition = sum(_nbytes(pp.meta_of(p).own_part) for p in model.parameters()
+                    if pp.is_partitioned(p))
     report = {"stage": 3, "rank": comm.rank, "world_size": comm.world_size,
               "tensors": len(loaded), "peak_bytes": ledger.peak,
               "partition_bytes": partition, "full_model_bytes": full,
-              "held_bytes": dict(ledger.held),
-              "missing_keys": sorted(info.missing_keys), "unexpected_keys": sorted(info.unexpected_keys)}
+              "held_bytes": dict(ledger.held), "missing_keys": sorted(info.missing_keys),
+              "unexpected_keys": sorted(info.unexpected_keys)}
     model.zero_core_load_report = report
     if comm.rank == 0:
         _log_report(report)
@@ -342,7 +345,7 @@ def _read_into(files: CheckpointFiles, name: str, t: torch.Tensor, rank: int,
 def _same_values(files: CheckpointFiles, a: str, b: str) -> bool:
     """Whether checkpoint tensors *a* and *b* hold equal values (read chunk by chunk)."""
     ra, rb = files.reader(files.where[a]), files.reader(files.where[b])
-    (da, sa), (db, sb) = ra.spec(a), rb.spec(b)
+    (_, sa), (_, sb) = ra.spec(a), rb.spec(b)
     if tuple(sa) != tuple(sb):
         return False
     numel = 1
@@ -350,7 +353,8 @@ def _same_values(files: CheckpointFiles, a: str, b: str) -> bool:
         numel *= s
     for start in range(0, numel, CHUNK):
         n = min(CHUNK, numel - start)
-        if not torch.equal(ra.read(a, start, n).to(torch.float64), rb.read(b, start, n).to(torch.float64)):
+        wide_a = ra.read(a, start, n).to(torch.float64)
+        if not torch.equal(wide_a, rb.read(b, start, n).to(torch.float64)):
             return False
     return True
 
