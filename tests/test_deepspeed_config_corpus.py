@@ -14,7 +14,8 @@ figure issue #14 sets for zero-core being a drop-in for real DeepSpeed users.
 
 Most configs come from Hugging Face projects and hold ``"auto"`` values, which the HF
 Trainer fills from its ``TrainingArguments`` before DeepSpeed sees the config.
-:func:`fill_hf_auto` fills them the same way (transformers'
+:func:`fill_hf_auto` fills them the same way, through zero-core's own filler
+(``zero_core.integrations.transformers.fill_auto_values``, which follows transformers'
 ``HfTrainerDeepSpeedConfig.trainer_config_process`` / ``trainer_config_finalize``), with
 fixed arguments (:data:`HF_ARGS`), so what zero-core gets is what DeepSpeed would get.
 
@@ -23,7 +24,6 @@ fixed arguments (:data:`HF_ARGS`), so what zero-core gets is what DeepSpeed woul
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import math
 import pathlib
@@ -31,12 +31,14 @@ import sys
 import tempfile
 import traceback
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import zero_core
 from zero_core.errors import ConfigError
+from zero_core.integrations.transformers import fill_auto_values
 
 CORPUS_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "deepspeed_configs"
 SOURCES = {s["file"]: s for s in json.loads((CORPUS_DIR / "SOURCES.json").read_text())}
@@ -73,8 +75,8 @@ class TinyBlock(torch.nn.Module):
 
 # The TrainingArguments the filling reads. transformers' defaults except the batch size (2
 # instead of 8: smaller, and a value no config hard-codes by accident) and the number of
-# steps (the 3 the test runs). warmup: TrainingArguments' default warmup_steps=0,
-# warmup_ratio=0.0, so get_warmup_steps() gives 0 — what most HF runs pass to DeepSpeed.
+# steps (the 3 the test runs). warmup: TrainingArguments' default warmup_steps=0, which
+# transformers 5.24 passes to DeepSpeed as max(1, 0) = 1 warmup step.
 HF_ARGS = {
     "per_device_train_batch_size": 2,
     "gradient_accumulation_steps": 1,
@@ -86,35 +88,12 @@ HF_ARGS = {
     "weight_decay": 0.0,
     "max_grad_norm": 1.0,
     "warmup_steps": 0,
-    "num_training_steps": OPTIMIZER_STEPS,
-    "fp16_opt_level": "O1",
-    # accelerate's DeepSpeedPlugin default for zero3_save_16bit_model (it fills
-    # stage3_gather_16bit_weights_on_model_save, which transformers leaves alone)
-    "zero3_save_16bit_model": False,
+    "save_on_each_node": False,
+    "auto_find_batch_size": False,
 }
 
-
-def _node(config: dict, dotted: str):
-    """(parent dict, last key) of a dotted key, or (None, None) if a section is missing —
-    as HfDeepSpeedConfig.find_config_node: a missing section is not created."""
-    *sections, key = dotted.split(".")
-    for s in sections:
-        config = config.get(s)
-        if not isinstance(config, dict):
-            return None, None
-    return config, key
-
-
-def _fill(config: dict, dotted: str, value) -> None:
-    """Replace ``"auto"`` at *dotted* by *value*; leave every other value alone (a
-    mismatch with the arguments is HF's error to raise, not zero-core's)."""
-    parent, key = _node(config, dotted)
-    if parent is not None and parent.get(key) == "auto":
-        parent[key] = value
-
-
-def _is_zero3(config: dict) -> bool:
-    return (config.get("zero_optimization") or {}).get("stage") == 3
+# what fill_auto_values reads from a model: config.hidden_size (HF's bucket sizes)
+HF_MODEL = SimpleNamespace(config=SimpleNamespace(hidden_size=HIDDEN))
 
 
 def precision_args(config: dict) -> tuple[bool, bool]:
@@ -131,44 +110,59 @@ def precision_args(config: dict) -> tuple[bool, bool]:
     return want_fp16, want_bf16
 
 
-def fill_hf_auto(raw: dict, hidden_size: int = HIDDEN, args: dict = HF_ARGS) -> dict:
-    """A copy of *raw* with every ``"auto"`` filled as transformers' HF Trainer fills it
-    (integrations/deepspeed.py, HfTrainerDeepSpeedConfig), from *args*."""
-    config = copy.deepcopy(raw)
-    fp16, bf16 = precision_args(config)
-    # trainer_config_process
-    micro, accum, world = (args["per_device_train_batch_size"],
-                           args["gradient_accumulation_steps"], args["world_size"])
-    _fill(config, "train_micro_batch_size_per_gpu", micro)
-    _fill(config, "gradient_accumulation_steps", accum)
-    _fill(config, "train_batch_size", micro * accum * world)
-    _fill(config, "gradient_clipping", args["max_grad_norm"])
-    _fill(config, "optimizer.params.lr", args["learning_rate"])
-    _fill(config, "optimizer.params.betas", [args["adam_beta1"], args["adam_beta2"]])
-    _fill(config, "optimizer.params.eps", args["adam_epsilon"])
-    _fill(config, "optimizer.params.weight_decay", args["weight_decay"])
-    _fill(config, "scheduler.params.warmup_min_lr", 0)
-    _fill(config, "scheduler.params.warmup_max_lr", args["learning_rate"])
-    _fill(config, "fp16.enabled", fp16)
-    _fill(config, "amp.enabled", False)               # fp16 through apex: never here
-    _fill(config, "amp.opt_level", args["fp16_opt_level"])
-    _fill(config, "bf16.enabled", bf16)
-    _fill(config, "bfloat16.enabled", bf16)
-    # trainer_config_finalize: the bucket sizes from the model's hidden size (the prefetch
-    # size through int(), as current transformers and accelerate fill it)
-    h = hidden_size
-    _fill(config, "zero_optimization.reduce_bucket_size", h * h)
-    if _is_zero3(config):
-        _fill(config, "zero_optimization.stage3_prefetch_bucket_size", int(0.9 * h * h))
-        _fill(config, "zero_optimization.stage3_param_persistence_threshold", 10 * h)
-    _fill(config, "scheduler.params.total_num_steps", args["num_training_steps"])
-    _fill(config, "scheduler.params.warmup_num_steps", args["warmup_steps"])
-    # accelerate's DeepSpeedPlugin fills this one (HF Trainer runs through accelerate)
-    _fill(config, "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-          args["zero3_save_16bit_model"])
+def _explicit(config: dict, dotted: str):
+    """The config's value at *dotted* unless it is missing or "auto"."""
+    for key in dotted.split("."):
+        config = config.get(key) if isinstance(config, dict) else None
+    return None if config == "auto" else config
+
+
+def user_args(raw: dict) -> tuple[SimpleNamespace, int]:
+    """(the TrainingArguments a user of *raw* would pass, the run's optimizer steps).
+
+    HF_ARGS, except where the config hard-codes a value transformers compares with an
+    argument: the user's arguments say the same (transformers refuses a disagreement,
+    AutoValueMismatchError here), as precision_args does for fp16/bf16. A hard-coded
+    total_num_steps is the length of the user's run (the test trains its first 3 steps)."""
+    args = dict(HF_ARGS)
+    micro, accum = _explicit(raw, "train_micro_batch_size_per_gpu"), _explicit(raw, "gradient_accumulation_steps")
+    total = _explicit(raw, "train_batch_size")
+    if micro is None and total is not None:
+        micro = total // (accum or 1)
+    if accum is None and total is not None and micro:
+        accum = total // micro
+    args["per_device_train_batch_size"] = micro or args["per_device_train_batch_size"]
+    args["gradient_accumulation_steps"] = accum or args["gradient_accumulation_steps"]
+    for dotted, name in (("gradient_clipping", "max_grad_norm"),
+                         ("scheduler.params.warmup_max_lr", "learning_rate"),
+                         ("optimizer.params.lr", "learning_rate"),
+                         ("optimizer.params.eps", "adam_epsilon"),
+                         ("optimizer.params.weight_decay", "weight_decay"),
+                         ("scheduler.params.warmup_num_steps", "warmup_steps")):
+        if _explicit(raw, dotted) is not None:
+            args[name] = _explicit(raw, dotted)
+    betas = _explicit(raw, "optimizer.params.betas")
+    if betas is not None:
+        args["adam_beta1"], args["adam_beta2"] = betas
+    fp16, bf16 = precision_args(raw)
+    steps = _explicit(raw, "scheduler.params.total_num_steps") or OPTIMIZER_STEPS
+    return SimpleNamespace(**args, fp16=fp16, bf16=bf16, fp16_full_eval=False,
+                           bf16_full_eval=False), steps
+
+
+def fill_hf_auto(raw: dict) -> dict:
+    """A copy of *raw* as the HF Trainer hands it to DeepSpeed: its ``"auto"`` values
+    filled by zero-core's :func:`zero_core.integrations.transformers.fill_auto_values`
+    from :func:`user_args`. A config without "auto" is not an HF Trainer config and
+    goes through unchanged (DeepSpeed's own launcher would get it as written)."""
+    if autos_left(raw):
+        args, steps = user_args(raw)
+        config = fill_auto_values(raw, args, model=HF_MODEL, num_training_steps=steps)
+    else:
+        config = copy.deepcopy(raw)
     if "optimizer" not in config:
-        # deepspeed_optim_sched: the Trainer builds its own optimizer and tells DeepSpeed
-        # to accept it
+        # deepspeed_optim_sched: the Trainer builds its own optimizer (train() here passes
+        # a torch AdamW) and tells DeepSpeed to accept it
         config["zero_allow_untested_optimizer"] = True
     return config
 
@@ -338,7 +332,7 @@ def test_filling_matches_transformers():
     assert cfg["optimizer"]["params"] == {"lr": 5e-5, "betas": [0.9, 0.999], "eps": 1e-8,
                                           "weight_decay": 0.0}
     assert cfg["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 5e-5,
-                                          "warmup_num_steps": 0}
+                                          "warmup_num_steps": 1}
     z = cfg["zero_optimization"]
     assert (z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"],
             z["stage3_param_persistence_threshold"]) == (1024, 921, 320)
