@@ -341,8 +341,10 @@ def all_gather_bytes(comm, data: bytes) -> list[bytes]:
     return [bytes(rows[r, :int(lengths[r])].numpy().tobytes()) for r in range(n)]
 
 
-def _agree(comm, ok: bool) -> bool:
-    """True on every rank iff *ok* on every rank."""
+def all_ranks_ok(comm, ok: bool) -> bool:
+    """Collective: True on every rank iff *ok* on every rank (*comm* None: this rank alone)."""
+    if comm is None or comm.world_size == 1:
+        return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     comm.all_reduce(flag, op="min")
     return bool(int(flag))
@@ -351,7 +353,7 @@ def _agree(comm, ok: bool) -> bool:
 def raise_unless_loaded_everywhere(comm, error: Exception | None, what: str) -> None:
     """Collective end of a load: raise this rank's *error*, or, when only another rank
     failed, say so (every rank stops; none trains on a half-loaded state)."""
-    if not _agree(comm, error is None):
+    if not all_ranks_ok(comm, error is None):
         raise error or CheckpointError(
             f"loading {what} failed on another rank (see its error); this rank's state may be "
             f"partly overwritten: load again or restart")
@@ -393,7 +395,7 @@ def save(comm, save_dir: str, tag: str, write_files: Callable[[str], dict], inde
                 os.makedirs(partial)
             except OSError as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        if not _agree(comm, not error):
+        if not all_ranks_ok(comm, not error):
             raise CheckpointError(f"saving checkpoint '{tag}': cannot create {partial} "
                                   f"({error or 'see rank 0'}); {unchanged}")
         files: dict = {}
@@ -402,7 +404,7 @@ def save(comm, save_dir: str, tag: str, write_files: Callable[[str], dict], inde
                      for name, (sha, size) in write_files(partial).items()}
         except (OSError, CheckpointError) as exc:  # a full disk, a vanished directory
             error = f"{type(exc).__name__}: {exc}"
-        if not _agree(comm, not error):
+        if not all_ranks_ok(comm, not error):
             raise CheckpointError(f"saving checkpoint '{tag}' in {save_dir} failed on at least "
                                   f"one rank{(' (this rank: ' + error + ')') if error else ''}; "
                                   f"{unchanged}")
@@ -423,7 +425,7 @@ def save(comm, save_dir: str, tag: str, write_files: Callable[[str], dict], inde
                     _fsync_dir(save_dir)
             except OSError as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        if not _agree(comm, not error):
+        if not all_ranks_ok(comm, not error):
             raise CheckpointError(f"saving checkpoint '{tag}': rank 0 could not finalize it "
                                   f"({error or 'see rank 0'})")
     except CheckpointError:

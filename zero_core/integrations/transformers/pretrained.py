@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import shutil
 
 import torch
 
-from zero_core.checkpoint.store import TensorEntry, write_safetensors
+from zero_core.checkpoint.store import TensorEntry, all_ranks_ok, write_safetensors
 from zero_core.errors import ConfigError, ZeroCoreError
 from zero_core.integrations.transformers import hf_safetensors as hfs
 from zero_core.stage3 import partitioned_params as pp
@@ -149,21 +150,6 @@ def _dtype_of(t: torch.Tensor) -> torch.dtype:
     return pp.meta_of(t).dtype if pp.is_partitioned(t) else t.dtype
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def _agree(comm, ok: bool) -> bool:
-    if comm is None or comm.world_size == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    comm.all_reduce(flag, op="min")
-    return bool(int(flag))
-
-
 # ---- save_pretrained ----------------------------------------------------------------------------
 def save_pretrained(engine, save_directory, *, max_shard_size="5GB",
                     safe_serialization: bool = True) -> list[str]:
@@ -186,7 +172,7 @@ def save_pretrained(engine, save_directory, *, max_shard_size="5GB",
     sizes = []
     for name, t in names:
         dtype = _dtype_of(t)
-        nbytes = _numel(t.shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(t.shape) * torch.empty((), dtype=dtype).element_size()
         sizes.append((name, nbytes))
         entries[name] = (dtype, tuple(t.shape))
     plan = hfs.plan_shards(sizes, limit)
@@ -209,7 +195,7 @@ def save_pretrained(engine, save_directory, *, max_shard_size="5GB",
         for name in order[values.fetched:]:
             values(tensors[name])
     values.done()
-    if not _agree(comm, not error):
+    if not all_ranks_ok(comm, not error):
         raise ZeroCoreError(f"save_pretrained to {save_directory} failed on rank 0"
                             f"{(': ' + error) if error else ''}. Files are moved into place "
                             f"only once all are written, so an earlier save there is intact "
