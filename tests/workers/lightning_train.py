@@ -4,7 +4,7 @@ Usage: ``python lightning_train.py <seed> <checkpoint dir> <comm_backend>`` on 2
 (torchrun-style variables or mpirun). In one launch: Lightning's ``strategy="ddp"`` (the
 reference), then ZeroCoreStrategy at stage 2 (a ModelCheckpoint every epoch) and stage 3
 (a ModelCheckpoint every epoch, ``trainer.save_checkpoint`` after fit, then validate, test
-and predict on the same engine), all 2 epochs of accumulation 2 and norm clipping; and a
+and predict on the same engine; then manual optimization with two optimizers, refused), all 2 epochs of accumulation 2 and norm clipping; and a
 single-process plain-torch reference of the same steps. Reports parameter differences,
 logged metrics and what the checkpoints hold.
 """
@@ -90,8 +90,38 @@ def main():
             res["predict_rows"] = int(got.shape[0])
             res["ref_val_direct"] = float(F.mse_loss(ref_net(vx), C.data(seed)[3]))
         out[f"s{stage}"] = res
+    out["two_optimizers"] = two_optimizers_error(Regressor, seed)
     report(out)
     leave_rank()
+
+
+def two_optimizers_error(Regressor, seed: int) -> str:
+    """Several optimizers are refused by name on every rank (before any collective)."""
+    from zero_core.errors import ConfigError
+
+    class TwoOptimizers(Regressor):
+        # manual optimization: Lightning itself refuses several optimizers in automatic mode
+        def __init__(self, seed):
+            super().__init__(seed)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            for opt in self.optimizers():
+                opt.zero_grad()
+                self.manual_backward(F.mse_loss(self(batch[0]), batch[1]))
+                opt.step()
+
+        def configure_optimizers(self):
+            return [C.make_optimizer(self.net[0].parameters()),
+                    C.make_optimizer(self.net[3].parameters())]
+
+    trainer = pl.Trainer(strategy=ZeroCoreStrategy(stage=2), devices=2, max_epochs=1,
+                         **C.trainer_kwargs(accumulate_grad_batches=1, gradient_clip_val=None))
+    try:
+        trainer.fit(TwoOptimizers(seed))
+    except ConfigError as e:
+        return str(e)
+    return "no error"
 
 
 if __name__ == "__main__":
