@@ -114,7 +114,11 @@ def main(argv=None):
                          logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
                          enable_progress_bar=False)
     module = GPTModule(args)
-    before = trainer.validate(module, val, verbose=False)[0]["val_loss"]
+    # before training the model is still whole on every rank: score it directly (a
+    # trainer.validate here would build an evaluation engine, which at stage 3 owns the
+    # partitioned model and cannot hand it to fit's engine)
+    with torch.no_grad():
+        before = lm_loss(module(vx), vy).item()
     ckpt = os.path.join(args.checkpoint_dir, f"stage{args.stage}")
     trainer.fit(module, train, ckpt_path=ckpt if args.resume else None)
     after = trainer.validate(module, val, verbose=False)[0]["val_loss"]
