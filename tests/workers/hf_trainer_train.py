@@ -1,7 +1,8 @@
 """Rank program for tests/test_hf_trainer.py: HF's Trainer (DDP) and ZeroCoreTrainer at
 stages 2 and 3 on the same tiny GPT-2 and data, in one launch.
 
-Usage: ``python hf_trainer_train.py <comm: gloo|mpi> <seed> <out_dir>`` on 2 ranks.
+Usage: ``python hf_trainer_train.py <comm: gloo|mpi> <seed> <out_dir> [sections]`` on 2
+ranks (``sections`` adds the config-sections pair ``hf_ds``/``zc3cfg`` below).
 
 Runs, all 4 optimizer steps with accumulation 2 and clipping, a checkpoint every 2 steps:
 
@@ -39,6 +40,7 @@ from hf_trainer_common import (N_EVAL, N_TRAIN, TokenData, deepspeed_warmup_deca
                                step_logs)
 
 COMM, SEED, OUT = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+SECTIONS = sys.argv[4:] == ["sections"]
 WORLD = 2
 
 AUTO_SIZES = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -118,20 +120,25 @@ def main():
         zc = run(name, ZeroCoreTrainer, weight_decay=0.01, zero_config=zero_config(stage))
         results[name] = compare(zc, hf)
         torch.save(zc["params"], os.path.join(OUT, f"{name}_final.pt"))
+    if SECTIONS:
+        results["zc3cfg"] = run_sections()
+    # HF's own DeepSpeed path imports deepspeed; it must never have run
+    results["deepspeed_imported"] = "deepspeed" in sys.modules
+    import accelerate
+    results["accelerate"] = {"distributed_type": str(accelerate.PartialState().distributed_type),
+                             "num_processes": accelerate.PartialState().num_processes}
+    report(results)
+    leave_rank()
+
+
+def run_sections() -> dict:
     model = make_model(SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-5, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, deepspeed_warmup_decay(4, 1))
     hf_ds = run("hf_ds", Trainer, weight_decay=0.0, model=model, optimizers=(opt, sched))
     zc = run("zc3cfg", ZeroCoreTrainer, weight_decay=0.0,
              zero_config=zero_config(3, with_sections=True))
-    results["zc3cfg"] = compare(zc, hf_ds)
-    import accelerate
-    # HF's own DeepSpeed path imports deepspeed; it must never have run
-    results["deepspeed_imported"] = "deepspeed" in sys.modules
-    results["accelerate"] = {"distributed_type": str(accelerate.PartialState().distributed_type),
-                             "num_processes": accelerate.PartialState().num_processes}
-    report(results)
-    leave_rank()
+    return compare(zc, hf_ds)
 
 
 if __name__ == "__main__":
