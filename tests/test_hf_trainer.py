@@ -194,10 +194,12 @@ def test_unsupported_trainer_features_are_refused(tmp_path):
     args.deepspeed = {"zero_optimization": {"stage": 2}}
     args.fsdp = "full_shard"
     args.torch_compile = True
+    args.label_smoothing_factor = 0.1
     with pytest.raises(UnsupportedTrainerFeature) as info:
         ZeroCoreTrainer(model=make_model(SEED), args=args, zero_config={"zero_optimization": {"stage": 2}})
     text = str(info.value)
     assert "deepspeed" in text and "fsdp" in text and "torch_compile" in text, text
+    assert "label_smoothing_factor" in text, text
     assert "deepspeed" not in sys.modules
     with pytest.raises(UnsupportedTrainerFeature, match="deepspeed"):
         args2 = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])

@@ -87,6 +87,12 @@ def refuse_unsupported(args, trainer_kwargs: dict) -> None:
     if getattr(args, "push_to_hub", False):
         found.append("TrainingArguments.push_to_hub: not supported; push the directory "
                      "save_model() writes yourself")
+    if getattr(args, "label_smoothing_factor", 0.0):
+        # HF's compute_loss decides whether to shift labels from the unwrapped model's class
+        # name; through the engine it would see the engine's and skip the causal-LM shift
+        found.append("TrainingArguments.label_smoothing_factor: not supported yet (the "
+                     "label shift for causal LMs would be skipped); set it to 0 or smooth in "
+                     "your own compute_loss")
     if trainer_kwargs.get("optimizers") not in (None, (None, None)):
         found.append("Trainer(optimizers=...): the engine builds the optimizer over its "
                      "partitions; put it in the config's 'optimizer'/'scheduler' sections, "
