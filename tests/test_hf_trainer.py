@@ -212,7 +212,7 @@ def test_zero_config_is_required_and_read(tmp_path):
     from zero_core.errors import ConfigError
     with pytest.raises(ConfigError, match="zero_config="):
         _tiny_trainer(str(tmp_path), None)
-    with pytest.raises(ConfigError, match="cannot be read"):
+    with pytest.raises(ConfigError, match="cannot read"):
         _tiny_trainer(str(tmp_path), str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

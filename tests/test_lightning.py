@@ -218,7 +218,9 @@ def test_precision_maps_onto_the_config():
 ])
 def test_trainer_config_conflicts_are_refused_at_fit(clean_env, config, kw, match):
     from zero_core.integrations.lightning import ZeroCoreStrategy
+    from zero_core.runtime.context import shutdown
     import torch.distributed as dist
+    shutdown()   # an earlier in-process test (another file's) may have started the runtime
     kw = {"accumulate_grad_batches": 1, "gradient_clip_val": None, **kw}
     t = trainer(ZeroCoreStrategy(config=config), **kw)
     with pytest.raises(ConfigError, match=match):

@@ -12,6 +12,7 @@ before DeepSpeed sees the config; zero-core needs the concrete number).
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import warnings
@@ -400,6 +401,13 @@ def _resolve_batch(s: _Section, world_size: int) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------------
 # Entry point.
 # ---------------------------------------------------------------------------------------------
+
+def read_config(config: Any) -> dict:
+    """The raw config as a private dict (a deep copy): *config* is a dict, a path to a JSON
+    file, a JSON string or None ({}). What the framework integrations read before folding
+    their own settings in; ``parse_config`` validates it."""
+    return copy.deepcopy(dict(_load(config)))
+
 
 def _load(config: Any) -> Mapping:
     if config is None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 from datetime import timedelta
 
@@ -27,10 +26,9 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import zero_core
-from zero_core.config import parse_config
+from zero_core.config import parse_config, read_config
 from zero_core.errors import ConfigError, ZeroCoreError
 from zero_core.runtime.launch import discover
 
@@ -46,18 +44,11 @@ def load_config(config, stage: int | None) -> dict:
     """A private copy of *config* (dict, JSON path or None) with *stage* applied. No config
     and no stage gives ZeRO stage 2, as Lightning's ``"deepspeed"`` strategy does."""
     if config is None:
-        config = {}
         stage = 2 if stage is None else stage
-    elif isinstance(config, (str, os.PathLike)):
-        if not os.path.isfile(config):
-            raise ConfigError(f"ZeroCoreStrategy(config={str(config)!r}): no such file; pass a "
-                              f"config dict or the path of a JSON config file")
-        with open(config) as fh:
-            config = json.load(fh)
-    elif not isinstance(config, dict):
+    elif not isinstance(config, (dict, str, os.PathLike)):
         raise ConfigError(f"ZeroCoreStrategy(config=...) must be a dict or a JSON file path, "
                           f"got {type(config).__name__}")
-    config = copy.deepcopy(config)
+    config = read_config(config)
     if stage is not None:
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"ZeroCoreStrategy(stage={stage!r}): use 0, 1, 2 or 3")

@@ -61,7 +61,6 @@ from zero_core.integrations.transformers.trainer_config import (
     require_engine_not_reused, start_runtime)
 from zero_core.integrations.transformers.trainer_engine import (EngineLoop, EngineOptimizer,
                                                                 EngineScheduler)
-from zero_core.errors import ZeroCoreError
 
 TESTED_WITH = {"transformers": "5.24.0", "accelerate": "1.15.0"}
 
@@ -148,10 +147,11 @@ class ZeroCoreTrainer(Trainer):
             self.optimizer = None
             optimizer = self.create_optimizer()
         if "scheduler" not in config:
-            def lr_scheduler(engine_optimizer):
+            def make_scheduler(engine_optimizer):
                 self.lr_scheduler = None
                 return self.create_scheduler(num_training_steps=max_steps,
                                              optimizer=engine_optimizer)
+            lr_scheduler = make_scheduler   # the engine calls it with its own optimizer
         engine, _, _, _ = zero_core.initialize(model=self.model, optimizer=optimizer,
                                                config=config, lr_scheduler=lr_scheduler)
         self._engine = engine

@@ -15,10 +15,9 @@ Trainer features it cannot serve refused, and the config completed from the
 """
 from __future__ import annotations
 
-import copy
-import json
 import os
 
+from zero_core.config import read_config
 from zero_core.errors import ConfigError, ZeroCoreError
 from zero_core.integrations.transformers.auto_values import fill_auto_values
 
@@ -39,24 +38,7 @@ def load_zero_config(zero_config) -> dict:
         raise ConfigError("ZeroCoreTrainer needs zero_config=: a DeepSpeed-style config dict "
                           "or the path of a JSON file (\"auto\" values are filled from the "
                           "TrainingArguments)")
-    if isinstance(zero_config, dict):
-        return copy.deepcopy(zero_config)
-    if isinstance(zero_config, (str, os.PathLike)):
-        try:
-            with open(zero_config) as fh:
-                loaded = json.load(fh)
-        except OSError as exc:
-            raise ConfigError(f"zero_config={os.fspath(zero_config)!r} cannot be read: {exc}; "
-                              f"give the path of a JSON config file or a dict") from exc
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"zero_config file {os.fspath(zero_config)!r} is not valid JSON: "
-                              f"{exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"zero_config file {os.fspath(zero_config)!r} holds a "
-                              f"{type(loaded).__name__}, not a JSON object")
-        return loaded
-    raise ConfigError(f"zero_config must be a dict or the path of a JSON file, got "
-                      f"{type(zero_config).__name__}")
+    return read_config(zero_config)
 
 
 def refuse_unsupported(args, trainer_kwargs: dict) -> None:
