@@ -12,9 +12,13 @@ Each launch runs tests/workers/device_matrix.py's scenarios (stages 0-3 in fp32/
 with gradient accumulation and clipping, zero_core.Init, activation checkpointing with
 cpu_checkpointing, qwZ/hpZ/qgZ, offload_optimizer and offload_param to cpu and nvme, and a
 checkpoint saved on one device and resumed on the other) once with
-ZERO_CORE_ACCELERATOR=cpu and once with =vdev: on 2 ranks over gloo (torchrun) and MPI
-(mpirun), and on 4 ranks over gloo (the 4-rank MPI corner of the grid adds nothing the other
-three do not cover and would take the suite past its 20-minute budget). The bit-identity is the test; the bounds against the plain-torch reference
+ZERO_CORE_ACCELERATOR=cpu and once with =vdev: every scenario on 2 ranks over gloo
+(torchrun); over MPI (mpirun, 2 ranks) one scenario per path whose traffic differs (each stage,
+each precision, ZeRO++, both offloads, checkpoints): the device assumptions live in the engine,
+not the transport, and both transports stage device tensors through the same host buffers; on
+4 ranks over gloo the features whose collectives change shape with the world size (the 4-rank
+MPI corner adds nothing the other three do not cover). Running every scenario in every corner
+would take the suite past its 20-minute budget. The bit-identity is the test; the bounds against the plain-torch reference
 only show that the identical numbers are also right: fp32 1e-5 (as the CPU tests), and
 2e-2 for bf16 and fp16, whose rounding of near-zero gradients can turn an Adam update
 (about +-lr = 1e-2 whatever the gradient's size) around: measured 6.7e-3 for fp16 at
@@ -39,6 +43,10 @@ NATIVE = ("s0", "s2_bf16", "s3", "s3_init", "zpp_qwz", "zpp_qgz", "off_opt_cpu",
           "off_param_nvme", "ckpt", "ckpt_off")
 # 4 ranks on 2 cores: the features whose collectives change shape with the world size
 FOUR = ("s1", "s3_fp16", "zpp_hpz", "zpp_qgz", "off_param_nvme", "ckpt")
+# 2 ranks under mpirun: one scenario per distinct path (see the docstring)
+MPI = ("s2", "s3", "s2_fp16", "s3_bf16", "zpp_qgz", "zpp_hpz", "off_opt_nvme", "off_param_cpu",
+       "ckpt", "ckpt_off")
+SCENARIOS = {(2, "torchrun"): ALL, (2, "mpirun"): MPI, (4, "torchrun"): FOUR}
 RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
 # (ranks, launcher) -> accelerator whose launch runs first; the other one resumes from its
 # checkpoint, so both directions (saved on vdev/loaded on cpu and the reverse) are covered
@@ -64,7 +72,7 @@ def launch(n: int, launcher: str, tmp_path_factory) -> dict:
     key = (n, launcher)
     if key in _RUNS:
         return _RUNS[key]
-    scenarios = ",".join(ALL if n == 2 else FOUR)
+    scenarios = ",".join(SCENARIOS[key])
     scratch = str(tmp_path_factory.mktemp(f"matrix{n}{launcher}"))
     first = FIRST[key]
     second = "vdev" if first == "cpu" else "cpu"
@@ -85,8 +93,8 @@ def launch(n: int, launcher: str, tmp_path_factory) -> dict:
     return out
 
 
-def _scenarios(n):
-    return [s for s in (ALL if n == 2 else FOUR) if not s.startswith("ckpt")]
+def _scenarios(n, launcher):
+    return [s for s in SCENARIOS[(n, launcher)] if not s.startswith("ckpt")]
 
 
 @pytest.mark.parametrize("where", _where())
@@ -94,7 +102,7 @@ def test_vdev_is_bit_identical_to_cpu(where, tmp_path_factory):
     n, launcher = where
     runs = launch(n, launcher, tmp_path_factory)
     cpu, vdev = runs["cpu"], runs["vdev"]
-    for name in _scenarios(n):
+    for name in _scenarios(n, launcher):
         assert vdev[name]["device"].startswith("vdev:"), (name, vdev[name]["device"])
         assert cpu[name]["device"] == "cpu"
         assert vdev[name]["losses"] == cpu[name]["losses"], name
@@ -112,7 +120,7 @@ def test_every_engine_tensor_is_on_its_device(where, tmp_path_factory):
                 assert rep[name]["misplaced"] == [], (acc, rank, name, rep[name]["misplaced"])
     # the offload scenarios really keep their stores on the host, the others do not
     vdev = runs["vdev"]
-    for name in _scenarios(n):
+    for name in _scenarios(n, launcher):
         host = sum(v for k, v in vdev[name]["placement"].items() if k.startswith("host:"))
         assert (host > 0) == name.startswith("off_"), (name, vdev[name]["placement"])
 
@@ -121,7 +129,7 @@ def test_every_engine_tensor_is_on_its_device(where, tmp_path_factory):
 def test_both_accelerators_match_the_reference(where, tmp_path_factory):
     n, launcher = where
     runs = launch(n, launcher, tmp_path_factory)
-    for name in _scenarios(n):
+    for name in _scenarios(n, launcher):
         rep = runs["vdev"][name]
         if "rel_diff" in rep:
             assert rep["rel_diff"] <= RTOL[rep["precision"]], (name, rep["rel_diff"])
@@ -133,7 +141,7 @@ def test_checkpoints_move_between_vdev_and_cpu(where, tmp_path_factory):
     runs = launch(n, launcher, tmp_path_factory)
     first = FIRST[(n, launcher)]
     second = "vdev" if first == "cpu" else "cpu"
-    for name in [s for s in (ALL if n == 2 else FOUR) if s.startswith("ckpt")]:
+    for name in [s for s in SCENARIOS[(n, launcher)] if s.startswith("ckpt")]:
         a, b = runs[first][name], runs[second][name]
         assert b["load_from"].startswith(first), (name, b["load_from"])
         # the second accelerator loaded the first one's checkpoint: same values, and the
@@ -169,7 +177,7 @@ def test_host_device_traffic_is_counted(where, tmp_path_factory):
     nothing is staged and nothing crosses."""
     n, launcher = where
     runs = launch(n, launcher, tmp_path_factory)
-    for name in _scenarios(n):
+    for name in _scenarios(n, launcher):
         cpu, vdev = runs["cpu"][name]["transfer"], runs["vdev"][name]["transfer"]
         assert cpu["staged_bytes"] == 0 and cpu["h2d_bytes"] == cpu["d2h_bytes"] == 0, name
         assert vdev["sent_bytes"] == cpu["sent_bytes"], name

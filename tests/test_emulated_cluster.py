@@ -243,9 +243,11 @@ def test_link_rate_shapes_inter_node_traffic_only(privileged):
             # direction in turn, the rest is slack for a loaded machine
             assert fastest <= 3 * implied_s, (rank, fastest, implied_s)
             assert slow[rank]["inter_ledger"]["inter_node_bytes"] == iters * PAYLOAD_BYTES
-        # intra-node all-gathers move as much per rank but do not touch the link
+        # intra-node all-gathers move as much per rank but do not touch the link: the fastest
+        # of them beats the link's floor by far (the slowest only shows how loaded the two
+        # cores were: 97 ms once, with three other jobs running)
         for rank in range(4):
-            assert max(slow[rank]["intra_s"]) < 0.25 * implied_s, (rank, slow[rank]["intra_s"])
+            assert min(slow[rank]["intra_s"]) < 0.25 * implied_s, (rank, slow[rank]["intra_s"])
             assert slow[rank]["intra_ledger"]["inter_node_bytes"] == 0
             assert slow[rank]["intra_ledger"]["intra_node_bytes"] == iters * PAYLOAD_BYTES
         # what crossed the veth each way: the pair's payload plus headers, and not the

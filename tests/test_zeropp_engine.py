@@ -26,7 +26,9 @@ Convergence: each of qwZ, hpZ, qgZ and all three together train the same model (
 1234) on the same global batches (seed 0) for STEPS steps; the validation loss on 16 fixed
 held-out sequences after the last step must be within 2% of stage 3's. hpZ alone changes
 no value (the secondary copy holds exactly what the world gather delivered), so its losses
-must equal stage 3's bit for bit; qgZ's must differ (it really quantized).
+must equal stage 3's bit for bit; qgZ's must differ (it really quantized). Convergence is a
+property of the quantized numbers, which are the same whichever transport carries them, so it
+runs over gloo only; the byte counts, which are the transport's, are checked on both.
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ def reports(launcher):
     if launcher == "mpirun" and mpirun_path() is None:
         pytest.skip("mpirun not installed: pip install 'zero-core[mpi]'")
     if launcher not in _CACHE:
-        res = run_ranks(WORKER, 4, launcher, args=["ledger,converge", STEPS], timeout=900,
+        scenarios = "ledger,converge" if launcher == "torchrun" else "ledger"
+        res = run_ranks(WORKER, 4, launcher, args=[scenarios, STEPS], timeout=900,
                         env={"ZERO_CORE_RANKS_PER_NODE": "2", "ZERO_CORE_COMM": COMM[launcher]})
         _CACHE[launcher] = [r.report for r in res]
     return _CACHE[launcher]
@@ -101,9 +104,8 @@ def test_hpz_secondary_partition_shows_in_the_memory_report(launcher):
         assert rep["ledger"]["zero3"]["zeropp"] is None
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_each_zeropp_feature_converges_like_stage3(launcher):
-    for rep in reports(launcher):
+def test_each_zeropp_feature_converges_like_stage3():
+    for rep in reports("torchrun"):
         runs = rep["converge"]
         base = runs["zero3"]["val_loss"]
         assert base < runs["zero3"]["losses"][0] - 1.5     # it really trained
