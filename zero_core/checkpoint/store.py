@@ -467,6 +467,11 @@ def resolve_tag(load_dir: str, tag: str | None) -> str:
 def locate(path: str, tag: str | None = None) -> tuple[str, str]:
     """``(tag directory, tag)`` for *path*: a save directory (with *tag* or ``latest``) or
     a tag directory itself (one holding ``metadata.json``)."""
+    if not os.path.isdir(path):
+        what = "is a file, not a directory" if os.path.exists(path) else "does not exist"
+        raise CheckpointError(f"checkpoint directory {path} {what}: give the directory "
+                              f"save_checkpoint wrote (it holds '{LATEST}' and one folder per "
+                              f"tag), or one of its tag folders")
     if tag is None and os.path.exists(os.path.join(path, METADATA)):
         path = os.path.abspath(path)
         return path, os.path.basename(path)
