@@ -95,6 +95,7 @@ def test_backward_after_a_step_is_an_error_not_new_values(seed):
         engine.step()
         stale = engine(x).pow(2).mean()
         assert engine.module_hooks.saved_views.packed > 0
+        engine.backward(engine(x).pow(2).mean())   # another update, on a graph of its own
         engine.step()
         with pytest.raises(ZeroCoreError, match="before the last optimizer step"):
             engine.backward(stale)

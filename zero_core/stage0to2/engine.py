@@ -71,6 +71,9 @@ class ZeroEngine(torch.nn.Module):
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        # engine.backward() ran since the last update: an update without one is misuse
+        # (step() alone, or loss.backward() bypassing the engine's scaling and reduction)
+        self._backward_since_update = False
         self._global_grad_norm: float | None = None
         self.memory_ledger = MemoryLedger()
         # bf16.bf16_master_weights_and_grads / bf16_optimizer_states (config/precision.py)
@@ -224,6 +227,7 @@ class ZeroEngine(torch.nn.Module):
         factor = self.loss_scale / (self.gradient_accumulation_steps * self._prescale)
         (loss.float() * factor).backward(retain_graph=retain_graph)
         self.reducer.flush()
+        self._backward_since_update = True
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -233,7 +237,15 @@ class ZeroEngine(torch.nn.Module):
     def step(self) -> None:
         """End of a micro-step: apply the update at gradient-accumulation boundaries."""
         if self.is_gradient_accumulation_boundary():
+            if not self._backward_since_update:
+                raise ZeroCoreError(
+                    f"engine.step() at an accumulation boundary (micro-step "
+                    f"{self.micro_steps}) with no engine.backward(loss) since the last update: "
+                    f"nothing to apply. Call engine.backward(loss) before engine.step() (not "
+                    f"loss.backward(), which bypasses the engine's gradient scaling and "
+                    f"reduction)")
             self._optimizer_step()
+            self._backward_since_update = False
         self.micro_steps += 1
 
     def _optimizer_step(self):
