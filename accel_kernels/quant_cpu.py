@@ -191,7 +191,10 @@ def _quantize_rows(xb: torch.Tensor, bits: int, payload: torch.Tensor,
                        torch.ones_like(scales))
     q = _scratch(1, r * bs).view(r, bs)
     torch.div(xb, safe[:, None], out=q)
-    q.round_()  # |x| <= absmax makes |x/scale| < 127.5 (resp. 7.5): no clamp is needed
+    # |x| <= absmax keeps |x/scale| near qmax, but not always below qmax + 0.5: a subnormal
+    # absmax loses bits in absmax/qmax, and x/scale can round to 128 (seen: -128 vs the
+    # reference's -127); clamp as the reference does
+    q.round_().clamp_(-qmax, qmax)
     if bits == 8:
         payload.copy_(q.view(-1))
     else:

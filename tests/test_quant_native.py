@@ -411,3 +411,15 @@ def test_native_chunks_run_on_torch_num_threads_workers(monkeypatch, rng):
     finally:
         torch.set_num_threads(before)
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("bits, ulps", [(8, 128), (4, 8)])
+def test_subnormal_block_maximum_stays_within_qmax(path, bits, ulps):
+    """A block whose largest magnitude is subnormal: absmax / qmax loses bits, and x / scale
+    rounds past qmax (to 128 for int8, 8 for int4) unless clamped, as the reference does.
+    Found by the fresh-random bit-identity test (seed 1253638694575935167: -128 vs -127)."""
+    m = float(torch.tensor([ulps], dtype=torch.int32).view(torch.float32))
+    x = torch.tensor([-m, m, m / 3, 0.0], dtype=torch.float32)
+    got = quant_cpu.quantize(x, bits, 4)
+    want = quant_reference.quantize(x, bits, 4)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (got, want)
