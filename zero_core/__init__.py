@@ -9,12 +9,18 @@ Public API (DeepSpeed-compatible names)::
         model = Model()
     with zero_core.GatheredParameters(params, modifier_rank=0):
         ...                                    # read/modify full parameters
+
+Errors zero-core raises on purpose derive from ``zero_core.ZeroCoreError`` (config problems:
+``ConfigError``; ``NonFiniteGradientError``, ``RankDisagreementError``).
 """
 from zero_core.version import __version__  # noqa: F401
 
 import sys as _sys  # noqa: E402
 
 from zero_core.activation import checkpointing  # noqa: E402,F401
+from zero_core.errors import ConfigError, ZeroCoreError  # noqa: E402,F401
+from zero_core.optim.nonfinite import NonFiniteGradientError  # noqa: E402,F401
+from zero_core.runtime.agreement import RankDisagreementError  # noqa: E402,F401
 from zero_core.factory import initialize  # noqa: E402,F401
 from zero_core.runtime.context import get_runtime, init_distributed  # noqa: E402,F401
 from zero_core.stage0to2.engine import ZeroEngine  # noqa: E402,F401

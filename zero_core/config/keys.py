@@ -170,6 +170,19 @@ accelerator (zero-core)                                           null          
 comm_backend (zero-core)                                          null          "gloo", "mpi", "nccl", ... or null
 comm_timeout (zero-core)                                          null          seconds > 0, or null
 topology.ranks_per_node (zero-core)                               null          divisor of the world size, or null
+safety.nonfinite_gradients (zero-core)                            "skip"        "skip" | "raise" | "ignore": a step with an
+                                                                                inf/NaN gradient norm (fp32, bf16; fp16
+                                                                                skips through its loss scaler); bf16
+                                                                                check_grad_overflow false = "ignore"
+safety.max_consecutive_skips (zero-core)                          10            skipped steps in a row that raise, >= 0
+                                                                                (0: never)
+safety.check_ranks_agree (zero-core)                              true          bool; compare config, parameters and
+                                                                                versions across ranks at initialize
+safety.check_batch_sizes (zero-core)                              true          bool; compare the samples per rank at
+                                                                                every step (leading dimension of the
+                                                                                first tensor given to engine(...))
+safety.launcher_notice (zero-core)                                true          bool; one line when no launcher started
+                                                                                the job (also ZERO_CORE_QUIET=1)
 ================================================================  ============  ==========================================
 
 Accepted without effect (``NO_EFFECT_KEYS``, any value): DeepSpeed keys that tune only speed,
@@ -211,7 +224,7 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
          "communication_data_type", "prescale_gradients", "gradient_predivide_factor",
          "data_types", "torch_autocast", "checkpoint",
          "tensorboard", "csv_monitor", "wandb", "comet",
-         "accelerator", "comm_backend", "comm_timeout", "topology"),
+         "accelerator", "comm_backend", "comm_timeout", "topology", "safety"),
     "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "auto_cast"),
     "bf16": ("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states",
@@ -253,6 +266,8 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
     "comet": ("enabled", "samples_log_interval", "project", "workspace", "api_key",
               "experiment_name", "experiment_key", "online", "mode"),
     "topology": ("ranks_per_node",),
+    "safety": ("nonfinite_gradients", "max_consecutive_skips", "check_ranks_agree",
+               "check_batch_sizes", "launcher_notice"),
     "activation_checkpointing": ("partition_activations", "cpu_checkpointing",
                                  "contiguous_memory_optimization", "number_checkpoints",
                                  "synchronize_checkpoint_boundary", "profile"),

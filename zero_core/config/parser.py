@@ -25,10 +25,11 @@ from zero_core.config.keys import (_OPTIMIZERS_NOT_YET, _SCHEDULERS_NOT_YET, MAX
                                    OPTIMIZER_TYPES, SCHEDULER_TYPES)
 from zero_core.config.monitors import parse_monitors
 from zero_core.config.precision import parse_precision
-from zero_core.config.schema import (ActivationCheckpointingConfig, CheckpointConfig, Config,
+from zero_core.config.schema import (NONFINITE_ACTIONS, ActivationCheckpointingConfig,
+                                     BF16Config, CheckpointConfig, Config,
                                      OffloadOptimizerConfig, OffloadParamConfig,
-                                     OptimizerConfig, SchedulerConfig, TopologyConfig,
-                                     ZeroConfig)
+                                     OptimizerConfig, SafetyConfig, SchedulerConfig,
+                                     TopologyConfig, ZeroConfig)
 from zero_core.errors import ConfigError, ConfigWarning
 
 __all__ = ["parse_config", "parse_activation_checkpointing", "OFFLOAD_DEVICES"]
@@ -326,6 +327,40 @@ def _parse_checkpoint(raw: Any) -> CheckpointConfig:
     return CheckpointConfig(tag_validation=s.get("tag_validation", "WARN", _tag_validation))
 
 
+def _nonfinite_action(path: str, value: Any) -> str:
+    action = _as_name(path, value).lower()
+    if action not in NONFINITE_ACTIONS:
+        raise _fail(path, value, f"expected one of {', '.join(map(repr, NONFINITE_ACTIONS))}"
+                                 f"{_suggest(action, NONFINITE_ACTIONS)}")
+    return action
+
+
+def _parse_safety(raw: Any, precision: str, bf16: BF16Config) -> SafetyConfig:
+    """zero-core's ``safety`` section; its non-finite action must agree with the precision
+    sections (fp16's loss scaler owns overflows; bf16 ``check_grad_overflow: false`` is
+    DeepSpeed's way of saying "ignore")."""
+    s = _Section(raw, "safety", "safety")
+    given = "nonfinite_gradients" in s.raw
+    action = s.get("nonfinite_gradients", "skip", _nonfinite_action)
+    if precision == "bf16" and not bf16.check_grad_overflow:
+        if given and action != "ignore":
+            raise _fail("safety.nonfinite_gradients", action,
+                        "contradicts bf16.check_grad_overflow: false (which applies steps with "
+                        "inf/NaN gradients); drop one of the two")
+        action = "ignore"
+    if precision == "fp16" and given and action != "skip":
+        raise _fail("safety.nonfinite_gradients", action,
+                    "fp16 training skips overflowing steps through its loss scaler (and "
+                    "raises at fp16.min_loss_scale); this key applies to fp32 and bf16 only — "
+                    "remove it or use \"skip\"")
+    return SafetyConfig(
+        nonfinite_gradients=action,
+        max_consecutive_skips=s.get("max_consecutive_skips", 10, _as_int, 0),
+        check_ranks_agree=s.get("check_ranks_agree", True, _as_bool),
+        check_batch_sizes=s.get("check_batch_sizes", True, _as_bool),
+        launcher_notice=s.get("launcher_notice", True, _as_bool))
+
+
 def _parse_topology(raw: Any, world_size: int) -> TopologyConfig:
     s = _Section(raw, "topology", "topology")
     rpn = s.get("ranks_per_node", None, _optional(_as_int), 1)
@@ -480,6 +515,9 @@ def parse_config(config: Any = None, world_size: int = 1) -> Config:
             top.raw.get("activation_checkpointing")),
         checkpoint=_parse_checkpoint(top.raw.get("checkpoint")),
         monitor=parse_monitors(top.raw),
+        safety=_parse_safety(top.raw.get("safety"),
+                             "fp16" if dtypes["fp16"].enabled else
+                             "bf16" if dtypes["bf16"].enabled else "fp32", dtypes["bf16"]),
         world_size=world_size,
         **dtypes,
     )

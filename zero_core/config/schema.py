@@ -16,7 +16,8 @@ from zero_core.config.monitors import MonitorConfig
 __all__ = [
     "Config", "FP16Config", "BF16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig",
     "OffloadOptimizerConfig", "OffloadParamConfig", "TopologyConfig",
-    "ActivationCheckpointingConfig", "TorchAutocastConfig", "CheckpointConfig", "DTYPE_NAMES",
+    "ActivationCheckpointingConfig", "TorchAutocastConfig", "CheckpointConfig", "SafetyConfig",
+    "DTYPE_NAMES", "NONFINITE_ACTIONS",
     "torch_dtype",
 ]
 
@@ -210,6 +211,32 @@ class TopologyConfig:
     ranks_per_node: int | None = None
 
 
+#: what a step whose global gradient norm is inf/NaN does (fp32 and bf16; fp16 has its scaler)
+NONFINITE_ACTIONS = ("skip", "raise", "ignore")
+
+
+@dataclass(frozen=True)
+class SafetyConfig:
+    """zero-core's ``safety`` section: what the engine checks so that nothing fails silently.
+
+    ``nonfinite_gradients``: a step whose global gradient norm is inf/NaN (fp32, bf16) is
+    skipped on every rank and counted (``"skip"``), raises on every rank (``"raise"``), or
+    is applied as it is (``"ignore"``, the pre-0.2 behaviour; bf16's
+    ``check_grad_overflow: false`` means this too). ``max_consecutive_skips``: that many
+    skipped steps in a row raise, since the run is not recovering (0: no limit).
+    ``check_ranks_agree``: at ``initialize`` every rank's config, parameters and versions
+    are compared. ``check_batch_sizes``: at each step, the samples every rank fed through
+    ``engine(...)`` since the last one (leading dimension of the first tensor input).
+    ``launcher_notice``: one line when
+    a job starts without a launcher."""
+
+    nonfinite_gradients: str = "skip"
+    max_consecutive_skips: int = 10
+    check_ranks_agree: bool = True
+    check_batch_sizes: bool = True
+    launcher_notice: bool = True
+
+
 @dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     """DeepSpeed's ``activation_checkpointing`` section (ZeRO-R), used by
@@ -257,6 +284,7 @@ class Config:
     torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # the four monitor sections
+    safety: SafetyConfig = field(default_factory=SafetyConfig)
     world_size: int = 1  # the data-parallel world size the batch sizes were resolved for
 
     @property
@@ -315,6 +343,7 @@ class Config:
                     None if self.torch_autocast.lower_precision_safe_modules is None
                     else list(self.torch_autocast.lower_precision_safe_modules))},
             "checkpoint": dataclasses.asdict(self.checkpoint),
+            "safety": dataclasses.asdict(self.safety),
             **{name: dataclasses.asdict(getattr(self.monitor, name))
                for name in ("tensorboard", "csv_monitor", "wandb", "comet")},
         }

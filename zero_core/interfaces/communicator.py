@@ -382,3 +382,20 @@ class Communicator(ABC):
     def describe(self) -> str:
         return (f"{self.name} rank {self.rank}/{self.world_size} "
                 f"({self.topology.num_nodes} node(s) x {self.topology.ranks_per_node})")
+
+
+def all_gather_bytes(comm: Communicator, data: bytes) -> list[bytes]:
+    """Every rank's *data* (small: a few KiB of JSON), in rank order: two all-gathers, the
+    lengths and then the bytes padded to the longest (host tensors; staged where needed)."""
+    n = comm.world_size
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    lengths = torch.empty(n, dtype=torch.int64)
+    comm.all_gather_into(lengths, length)
+    width = max(1, int(lengths.max()))
+    mine = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = torch.empty(width * n, dtype=torch.uint8)
+    comm.all_gather_into(everyone, mine)
+    rows = everyone.view(n, width)
+    return [bytes(rows[r, :int(lengths[r])].numpy().tobytes()) for r in range(n)]

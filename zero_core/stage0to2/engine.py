@@ -4,8 +4,10 @@ One optimizer step, at a gradient-accumulation boundary:
 
 1. backward hooks have reduced each bucket's gradient (see grad_reduce.py); wait for them;
 2. one all_reduce of this rank's sum of squared gradients gives the global norm — and,
-   since inf/NaN survive the sum, the fp16 overflow flag, identical on every rank;
-3. on overflow the step is skipped and the loss scale lowered; otherwise gradients are
+   since inf/NaN survive the sum, the overflow flag, identical on every rank; the same
+   three numbers carry the micro-batch sizes, so ranks fed different sizes are caught;
+3. on overflow the step is skipped (fp16: and the loss scale lowered; fp32/bf16: as
+   ``safety.nonfinite_gradients`` says, optim/nonfinite.py); otherwise gradients are
    multiplied once by ``1/loss_scale × clip coefficient`` and the partitioned optimizer
    updates this rank's slice and all-gathers the new values (optim/partitioned.py).
 
@@ -30,6 +32,7 @@ from zero_core.stage0to2.grad_reduce import GradReducer
 from zero_core.stage0to2.buffers import GroupBuffers
 from zero_core.interfaces.ledger import CommLedger
 from zero_core.optim.loss_scaler import build_loss_scaler
+from zero_core.optim.nonfinite import NonFiniteGradientError, NonFiniteGuard
 from zero_core.memory import MemoryLedger, model_state_breakdown, optimizer_k
 from zero_core.model_sync import broadcast_buffers, check_parameters_match
 from zero_core.monitor.master import MonitorMaster, build_monitor
@@ -74,6 +77,10 @@ class ZeroEngine(torch.nn.Module):
         # engine.backward() ran since the last update: an update without one is misuse
         # (step() alone, or loss.backward() bypassing the engine's scaling and reduction)
         self._backward_since_update = False
+        # samples of this accumulation window seen by forward (leading dimension of the first
+        # tensor input): compared across ranks at the step (safety.check_batch_sizes)
+        self._window_samples = 0
+        self._reduced_at = -1  # stages 0/1: micro-step whose backward reduced in place
         self._global_grad_norm: float | None = None
         self.memory_ledger = MemoryLedger()
         # bf16.bf16_master_weights_and_grads / bf16_optimizer_states (config/precision.py)
@@ -103,6 +110,8 @@ class ZeroEngine(torch.nn.Module):
         self.reducer = self._build_reducer()
         self.reducer.register_hooks()
         self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
+        self._nonfinite = NonFiniteGuard(config.safety.nonfinite_gradients,
+                                         config.safety.max_consecutive_skips, config.precision)
         self.lr_scheduler = self._resolve_scheduler(lr_scheduler)
         self._comm_mark = self.comm.ledger.snapshot()
         self._last_comm = CommLedger.difference(self._comm_mark, self._comm_mark)
@@ -194,6 +203,8 @@ class ZeroEngine(torch.nn.Module):
         (``y.to(engine.device)``)."""
         args = tuple(self._to_device(a) for a in args)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
+        if self.training and torch.is_grad_enabled():
+            self._window_samples += _leading_dim(args, kwargs)
         with self._autocast():
             return self.module(*args, **kwargs)
 
@@ -220,15 +231,51 @@ class ZeroEngine(torch.nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backpropagate *loss* (this rank's mean over its micro-batch). Gradients are
-        scaled by the fp16 loss scale and by 1/gradient_accumulation_steps."""
+        scaled by the fp16 loss scale and by 1/gradient_accumulation_steps.
+
+        Twice on one graph behaves as ``loss.backward()`` does: without
+        ``retain_graph=True`` on the first call the second raises torch's "backward through
+        the graph a second time" error (the gradients of the first stay); with it the
+        gradients add up, so the update equals one backward of the summed losses."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ZeroCoreError("engine.backward(loss) needs a scalar loss tensor; reduce it "
                                 "first (e.g. loss.mean())")
         factor = self.loss_scale / (self.gradient_accumulation_steps * self._prescale)
-        (loss.float() * factor).backward(retain_graph=retain_graph)
-        self.reducer.flush()
+        # stages 0/1 reduce the full gradient buffer in place at the boundary's backward; a
+        # second backward there (retain_graph) would reduce the already-reduced sum again
+        again = (self.stage in (0, 1) and self.is_gradient_accumulation_boundary()
+                 and self._reduced_at == self.micro_steps)
+        stash = self._set_aside_reduced() if again else None
+        done = False
+        try:
+            (loss.float() * factor).backward(retain_graph=retain_graph)
+            self.reducer.flush()
+            done = True
+        finally:
+            if stash is not None:
+                self._merge_reduced(stash, add=done)
+        if self.stage in (0, 1) and self.is_gradient_accumulation_boundary():
+            self._reduced_at = self.micro_steps
         self._backward_since_update = True
         return loss
+
+    def _set_aside_reduced(self) -> list:
+        """Move the reduced gradients out of the buffers (which are zeroed), so that the
+        next backward reduces only its own gradients."""
+        self.reducer.wait_all()
+        stash = [None if gb is None else gb.grad_buf.data.clone() for gb in self._buffers]
+        for gb in self._buffers:
+            if gb is not None:
+                gb.grad_buf.data.zero_()
+        return stash
+
+    def _merge_reduced(self, stash: list, add: bool) -> None:
+        """Put set-aside gradients back: added to the new reduction, or (the backward
+        failed) restored as they were."""
+        self.reducer.wait_all()
+        for gb, saved in zip(self._buffers, stash):
+            if gb is not None:
+                gb.grad_buf.data.add_(saved) if add else gb.grad_buf.data.copy_(saved)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` applies an optimizer update."""
@@ -254,18 +301,22 @@ class ZeroEngine(torch.nn.Module):
         present = [gb for gb in self._buffers if gb is not None]
         norms = [torch.linalg.vector_norm(t, dtype=torch.float32)
                  for gb in present for t in gb.reduced_grad_tensors()]
-        sumsq = torch.stack(norms).double().square().sum().reshape(1)
-        if self.stage > 0 and self.world_size > 1:
-            self.comm.all_reduce(sumsq, "sum")
-        sumsq = float(sumsq.item())
+        local = torch.stack(norms).double().square().sum()
+        sumsq = self._all_reduce_step_stats(local)
         scale = self.loss_scale
         overflow = not math.isfinite(sumsq)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
-        # fp16 always skips an overflowing step; bf16 when check_grad_overflow (DeepSpeed's
-        # default); the decision is the same on every rank (the sum was all-reduced)
-        if overflow and (self.loss_scaler is not None or (
-                self.config.bf16.enabled and self.config.bf16.check_grad_overflow)):
+            skip = overflow  # fp16 always skips an overflowing step
+        else:  # the same decision on every rank: the sum was all-reduced
+            try:
+                skip = self._nonfinite.should_skip(not overflow, self.global_steps, sumsq,
+                                                   self._first_nonfinite_parameter,
+                                                   self.global_rank)
+            except NonFiniteGradientError:
+                self._drop_window()
+                raise
+        if skip:
             self.skipped_steps += 1
             self._global_grad_norm = float("inf")
             self._finish_step(stepped=False)
@@ -281,8 +332,72 @@ class ZeroEngine(torch.nn.Module):
         self._global_grad_norm = norm
         self._finish_step(stepped=True)
 
+    def _all_reduce_step_stats(self, local_sumsq: torch.Tensor) -> float:
+        """The global squared gradient norm; on the way, with the same all_reduce, check
+        that every rank saw the same number of samples since the last update (ranks with
+        different micro-batch sizes weight samples unequally: each rank's mean counts the
+        same). Stage 0's gradients are already complete: only the sizes travel then."""
+        n = float(self._window_samples)
+        check = self.config.safety.check_batch_sizes and self.world_size > 1
+        reduce_norm = self.stage > 0 and self.world_size > 1
+        if not (reduce_norm or check):
+            return float(local_sumsq.item())
+        stats = torch.stack([local_sumsq if reduce_norm else torch.zeros((), dtype=torch.float64),
+                             torch.tensor(n, dtype=torch.float64),
+                             torch.tensor(n * n, dtype=torch.float64)])
+        self.comm.all_reduce(stats, "sum")
+        total, total_sq = float(stats[1]), float(stats[2])
+        # all equal <=> N·Σn² = (Σn)² (Cauchy–Schwarz); exact while the numbers are below 2**53
+        if check and total * total < 2.0 ** 53 and self.world_size * total_sq != total * total:
+            self._raise_batch_mismatch(n)
+        return float(stats[0]) if reduce_norm else float(local_sumsq.item())
+
+    def _raise_batch_mismatch(self, n: float):
+        """Collective (every rank saw the same sums): name each rank's sample count."""
+        everyone = torch.empty(self.world_size, dtype=torch.float64)
+        self.comm.all_gather_into(everyone, torch.tensor([n], dtype=torch.float64))
+        counts = ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(everyone.tolist()))
+        self._drop_window()
+        raise ZeroCoreError(
+            f"step {self.global_steps}: ranks saw different numbers of samples since the last "
+            f"update ({counts}; the leading dimension of the first tensor given to "
+            f"engine(...)). Each rank's loss is a mean over its own samples, so uneven "
+            f"batches would weight samples unequally. Give every rank the same micro-batch "
+            f"size (DataLoader(drop_last=True) with a DistributedSampler). If the first input "
+            f"is not batch-first (e.g. a sequence-first tensor padded per rank), set config "
+            f"\"safety\": {{\"check_batch_sizes\": false}}. The weights were not updated")
+
+    def _drop_window(self) -> None:
+        """Forget this accumulation window (a step that raised): gradients, sample count."""
+        self.zero_grad()
+        self._window_samples = 0
+        self._backward_since_update = False
+
+    def _first_nonfinite_parameter(self) -> str | None:
+        """Collective: the first parameter (``module.named_parameters()`` order) whose
+        reduced gradient holds inf/NaN on any rank; only called on a non-finite step."""
+        from zero_core.checkpoint.engine_state import layout_fragments, parameter_names
+        names = parameter_names(self.module)
+        order = {name: i for i, name in enumerate(names.values())}
+        first = len(order)
+        for gb in self._buffers:
+            if gb is None:
+                continue
+            grads = getattr(gb, "grad_part", None)
+            grads = grads if grads is not None else gb.grad_buf
+            for f in layout_fragments(gb.layout, gb.params, names, {"g": grads},
+                                      self.global_rank, [self.global_rank]):
+                if order[f.name] < first and not bool(torch.isfinite(f.tensors["g"]).all()):
+                    first = order[f.name]
+        if self.world_size > 1:
+            t = torch.tensor([first], dtype=torch.int64)
+            self.comm.all_reduce(t, "min")
+            first = int(t)
+        return list(order)[first] if first < len(order) else None
+
     def _finish_step(self, stepped: bool):
         self.zero_grad()
+        self._window_samples = 0
         if stepped and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
@@ -407,3 +522,12 @@ class ZeroEngine(torch.nn.Module):
         from zero_core.checkpoint.engine_state import zero_layout
         return zero_layout(self)
 
+
+
+def _leading_dim(args, kwargs) -> int:
+    """Samples in one forward call: the leading dimension of the first tensor argument
+    (positional first, then keyword, in order); 0 when there is none."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return int(v.shape[0]) if v.dim() else 1
+    return 0
