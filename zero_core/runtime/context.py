@@ -11,6 +11,9 @@ code calling it works) is done by the registry's ``gloo`` communicator class thr
 <zero_core.interfaces.communicator.Communicator.start_torch_distributed>`; the start-up
 code and its MPI rendezvous live with the torch.distributed communicators
 (``zero_core.backends.comm.torch_dist_init``).
+
+It also installs the failure report (``runtime/failures.py``): an uncaught error in a
+multi-rank job is printed once, by the first rank to raise it.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from zero_core.interfaces.accelerator import Accelerator
 from zero_core.interfaces.communicator import Communicator
 from zero_core.errors import ConfigError
 from zero_core.interfaces.kernels import KernelSet
+from zero_core.runtime.failures import install_failure_report
 from zero_core.runtime.launch import LaunchInfo, discover, env_setting
 from zero_core.runtime.topology import Topology, resolve_ranks_per_node
 
@@ -65,6 +69,9 @@ def init_distributed(accelerator: str | None = None, comm_backend: str | None = 
     """Pick the accelerator and communicator (config → environment → auto-detect), connect
     to the peers, and return the process-wide :class:`Runtime`."""
     global _RUNTIME
+    # scripts and integrations that start here rather than in initialize() get the
+    # once-per-job error report too (idempotent)
+    install_failure_report()
     if _RUNTIME is not None:
         rt = _RUNTIME
         if accelerator and accelerator != rt.accelerator.name:

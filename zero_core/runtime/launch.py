@@ -1,12 +1,16 @@
 """Launch discovery: which rank am I, how many are we, and who launched us.
 
 Read in the order of ARCHITECTURE §3: torchrun, Open MPI, MPICH / Intel MPI / Hydra,
-PMIx, Slurm; with none of them set we are a single process.
+PMIx, Slurm; with none of them set we are a single process, which
+:func:`single_process_notice` says once (a user who meant several ranks sees it at once).
+Also here: :func:`env_setting` and :func:`env_flag`, zero-core's readers of its own
+environment variables.
 """
 from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 from zero_core.errors import ConfigError
@@ -135,3 +139,39 @@ def discover(env: dict | None = None) -> LaunchInfo:
                                    _slurm_tasks_on_node(env, world), "slurm"),
                         "SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_TASKS_PER_NODE")
     return LaunchInfo(0, 1, 0, 1, "single")
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def env_flag(name: str, env: dict | None = None, strict: bool = True) -> bool:
+    """A yes/no setting from environment variable *name* (unset: no). A value that is
+    neither is an error naming the accepted ones; with *strict* False it counts as no
+    (for code that must not raise, such as the failure report's exception hook)."""
+    raw = (os.environ if env is None else env).get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE or not strict:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a yes/no value: set it to one of "
+                      f"{'/'.join(_TRUE[:3])} or {'/'.join(_FALSE[1:4])}, or unset it")
+
+
+QUIET_ENV = "ZERO_CORE_QUIET"
+_noticed = False  # once per process, however many engines it builds
+
+
+def single_process_notice(launch: LaunchInfo, enabled: bool = True) -> None:
+    """Say once, on stderr, that no launcher started this process, so a user who meant to
+    train on several ranks sees at once that it runs on one. Silenced by *enabled* False
+    (config ``"safety": {"launcher_notice": false}``) or ``ZERO_CORE_QUIET=1``."""
+    global _noticed
+    if _noticed or launch.launcher != "single" or not enabled or env_flag(QUIET_ENV):
+        return
+    _noticed = True
+    print("zero-core: single process (world size 1): no launcher found — start with "
+          "`mpirun -np N` or `torchrun --nproc-per-node N` for more ranks (silence: "
+          f"{QUIET_ENV}=1 or config \"safety\": {{\"launcher_notice\": false}})",
+          file=sys.stderr, flush=True)
