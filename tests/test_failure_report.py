@@ -261,6 +261,15 @@ def test_the_hook_never_raises(markers, capsys):
     assert len(seen) == 1
 
 
+def test_debug_set_after_the_install_still_gives_pythons_report(markers, monkeypatch):
+    seen = []
+    hook = _report(0, previous=lambda *a: seen.append(a[0]))
+    monkeypatch.setenv("ZERO_CORE_DEBUG", "yes")
+    hook(KeyError, KeyError("k"), None)
+    assert seen == [KeyError]
+    assert not (markers / os.path.basename(failures.marker_root())).exists()  # no claim
+
+
 def test_install_only_under_a_launcher_with_several_ranks(monkeypatch):
     for name in LAUNCH_VARS + ("ZERO_CORE_DEBUG",):
         monkeypatch.delenv(name, raising=False)
