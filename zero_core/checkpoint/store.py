@@ -7,15 +7,17 @@ Layout of ``<save_dir>``::
                               the engine adds (model, layout, fragment index, dtypes)
     <tag>/rank_00000.safetensors   one shard per rank (safetensors: tensors + string metadata)
     <tag>/common.pt           small replicated state written by rank 0 (torch.save, plain data)
-    .<tag>.partial/           a save in progress, or one that died: never read, removed by the
-                              next save of the same tag
+    .<tag>.partial/           a save in progress, or one a dying rank left: never read,
+                              removed by the next save of the same tag (a save that fails
+                              without a rank dying removes it at once)
 
-Saving (collective, :func:`save`): rank 0 makes ``.<tag>.partial``; every rank writes its
-files into it and hashes them while writing; an all-reduce tells every rank whether all
-wrote; every rank's file list, checksums and index contribution are all-gathered; rank 0
-writes ``metadata.json``, renames the directory into place and only then replaces
-``latest``. A rank that dies mid-save makes the others fail in one of these collectives
-(within the communicator's timeout), so the previous checkpoint and ``latest`` stay intact.
+Saving is collective (``save_load.save_files``, which runs the phases, their agreement
+and the clean-up of a failed save): rank 0 makes ``.<tag>.partial``; every rank writes its
+files into it with :func:`write_safetensors` / :func:`save_plain`, hashed while written;
+rank 0 writes ``metadata.json`` and ``latest.tmp``, renames the directory into place
+(:func:`move_into_place`) and only then replaces ``latest``. Files are written with plain
+``os.write`` calls (:class:`_FileWriter`), so that a full disk is an ``OSError`` with its
+errno and the file's name, which the save reports as its cause.
 
 Loading (:func:`read_metadata`, :func:`open_shard`, :func:`load_plain`) checks the format
 version, each file's size and SHA-256 before reading it, and never unpickles code: shards
@@ -31,6 +33,7 @@ All ranks must see the same filesystem (a local disk for one node, a shared one 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -40,6 +43,8 @@ from typing import Callable, Iterable
 import torch
 
 from zero_core.errors import ZeroCoreError
+# where it lived before the communicator's module: callers import it from here too
+from zero_core.interfaces.communicator import all_gather_bytes  # noqa: F401
 
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
@@ -84,7 +89,8 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync directory *path* (its entries), where the OS lets a directory be opened."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -95,16 +101,99 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_file_atomic(path: str, data: bytes) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as fh:
+class _FileWriter:
+    """A new file written with plain ``os.write`` calls (small pieces gathered up to 1 MiB),
+    hashed while written, fsynced by :meth:`finish`. Plain OS calls so that a full disk is an
+    ``OSError`` with its errno (ENOSPC) naming this file, never a library's own wording of
+    it (torch.save says "unexpected pos 1024 vs 918"); tests fail the same calls the OS would.
+    Use it with ``with``: an error closes the file and names it in the OSError."""
+
+    _GATHER = 1 << 20
+
+    def __init__(self, path: str):
+        self.path, self.size, self._sha, self._pending = path, 0, hashlib.sha256(), bytearray()
+        self._fd = None
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as exc:
+            self._name_file(exc)
+            raise
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self._sha.update(view)
+        self.size += len(view)
+        if len(self._pending) + len(view) > self._GATHER:
+            self._drain()
+        if len(view) >= self._GATHER:
+            self._write_all(view)
+        else:
+            self._pending += view
+
+    def _write_all(self, view: memoryview) -> None:
+        while len(view):
+            view = view[os.write(self._fd, view):]  # a full disk may take part of it first
+
+    def _drain(self) -> None:
+        if self._pending:
+            self._write_all(memoryview(self._pending))
+            self._pending = bytearray()
+
+    def finish(self) -> tuple[str, int]:
+        """Write what is gathered, fsync, close; ``(sha256 hex, bytes)``."""
+        self._drain()
+        os.fsync(self._fd)
+        fd, self._fd = self._fd, None
+        os.close(fd)
+        return self._sha.hexdigest(), self.size
+
+    def _name_file(self, exc: OSError) -> None:
+        if exc.filename is None:  # os.write's errors do not say which file
+            exc.filename = self.path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the error being raised says more
+        if isinstance(exc, OSError):
+            self._name_file(exc)
+        return False
+
+
+def write_file(path: str, data: bytes) -> tuple[str, int]:
+    """Write *data* to the new file *path*; fsync; ``(sha256 hex, bytes)``."""
+    with _FileWriter(path) as fh:
         fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+        return fh.finish()
+
+
+def write_file_atomic(path: str, data: bytes) -> None:
+    """Write *data* to ``<path>.tmp``, fsync, rename over *path* (removed again on failure)."""
+    tmp = path + ".tmp"
+    try:
+        write_file(tmp, data)
+    except BaseException:
+        remove_path(tmp)  # a full disk keeps no half-written temporary
+        raise
     os.replace(tmp, path)
 
 
-def _check_tag(tag) -> str:
+def remove_path(path: str) -> None:
+    """Remove file or directory *path* if it is there (OSError if it cannot be)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def check_tag(tag) -> str:
+    """*tag* as a string, if it is usable as a directory name (else CheckpointError)."""
     tag = str(tag)
     if (not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.startswith(".")
             or tag == LATEST):
@@ -173,31 +262,22 @@ def write_safetensors(path: str, entries: list[TensorEntry], metadata: dict | No
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
-    h = hashlib.sha256()
-    total = 0
-    with open(path, "wb") as fh:
-        for chunk in (struct.pack("<Q", len(raw)), raw):
-            fh.write(chunk)
-            h.update(chunk)
-            total += len(chunk)
+    with _FileWriter(path) as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
         for e in entries:
-            written = 0
+            start = fh.size
             for piece in e.pieces():
                 if piece.dtype != e.dtype:
                     piece = piece.to(e.dtype)
-                mv = _tensor_bytes(piece)
-                fh.write(mv)
-                h.update(mv)
-                written += len(mv)
-            if written != e.nbytes:
+                fh.write(_tensor_bytes(piece))
+            if fh.size - start != e.nbytes:
                 raise CheckpointError(f"internal error writing {path}: tensor {e.name!r} got "
-                                      f"{written} bytes from its pieces, {e.nbytes} expected")
-            total += written
+                                      f"{fh.size - start} bytes from its pieces, {e.nbytes} "
+                                      f"expected")
             if on_tensor is not None:
                 on_tensor(e)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return h.hexdigest(), total
+        return fh.finish()
 
 
 class SafetensorsReader:
@@ -325,22 +405,6 @@ class SafetensorsReader:
 
 
 # ---- collectives on small byte strings -------------------------------------------------------
-def all_gather_bytes(comm, data: bytes) -> list[bytes]:
-    """Every rank's *data* (a few KiB of JSON), in rank order, through the communicator."""
-    n = comm.world_size
-    length = torch.tensor([len(data)], dtype=torch.int64)
-    lengths = torch.empty(n, dtype=torch.int64)
-    comm.all_gather_into(lengths, length)
-    width = max(1, int(lengths.max()))
-    mine = torch.zeros(width, dtype=torch.uint8)
-    if data:
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    everyone = torch.empty(width * n, dtype=torch.uint8)
-    comm.all_gather_into(everyone, mine)
-    rows = everyone.view(n, width)
-    return [bytes(rows[r, :int(lengths[r])].numpy().tobytes()) for r in range(n)]
-
-
 def all_ranks_ok(comm, ok: bool) -> bool:
     """Collective: True on every rank iff *ok* on every rank (*comm* None: this rank alone)."""
     if comm is None or comm.world_size == 1:
@@ -361,107 +425,42 @@ def raise_unless_loaded_everywhere(comm, error: Exception | None, what: str) -> 
 
 # ---- save ---------------------------------------------------------------------------------------
 def save_plain(path: str, obj) -> tuple[str, int]:
-    """torch.save *obj* (plain data and tensors only) to *path*; fsync; (sha256, bytes)."""
-    with open(path, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return _sha256_file(path), os.path.getsize(path)
+    """torch.save *obj* (plain data and tensors only) to *path*; fsync; (sha256, bytes).
+    Serialized in memory first (it is small, replicated state), so that writing it is plain
+    file writes, whose failure names its cause (a full disk: ENOSPC)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return write_file(path, buf.getbuffer())
 
 
-def save(comm, save_dir: str, tag: str, write_files: Callable[[str], dict], index,
-         metadata: dict, save_latest: bool = True) -> str:
-    """Collective: write checkpoint *tag* into *save_dir*; returns its final directory.
-
-    *write_files(directory)* writes this rank's files into *directory* and returns
-    ``{file name: (sha256, bytes)}``. *index* (JSON-able) is this rank's contribution to
-    the metadata: the list of every rank's is stored as ``metadata["ranks"]``. *metadata*
-    is used on rank 0. Raises :class:`CheckpointError` on every rank if any rank failed
-    (or died: then within the communicator's timeout); the previous checkpoint and
-    ``latest`` are then unchanged.
-    """
-    tag = _check_tag(tag)
-    final = os.path.join(save_dir, tag)
-    partial = os.path.join(save_dir, f".{tag}.partial")
-    rank = comm.rank
-    unchanged = f"the previous checkpoint and '{LATEST}' in {save_dir} are unchanged"
-    try:
-        error = ""
-        if rank == 0:
-            try:
-                os.makedirs(save_dir, exist_ok=True)
-                if os.path.exists(partial):  # left behind by a save that died
-                    shutil.rmtree(partial)
-                os.makedirs(partial)
-            except OSError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        if not all_ranks_ok(comm, not error):
-            raise CheckpointError(f"saving checkpoint '{tag}': cannot create {partial} "
-                                  f"({error or 'see rank 0'}); {unchanged}")
-        files: dict = {}
-        try:
-            files = {name: {"sha256": sha, "bytes": size}
-                     for name, (sha, size) in write_files(partial).items()}
-        except (OSError, CheckpointError) as exc:  # a full disk, a vanished directory
-            error = f"{type(exc).__name__}: {exc}"
-        if not all_ranks_ok(comm, not error):
-            raise CheckpointError(f"saving checkpoint '{tag}' in {save_dir} failed on at least "
-                                  f"one rank{(' (this rank: ' + error + ')') if error else ''}; "
-                                  f"{unchanged}")
-        gathered = [json.loads(b) for b in all_gather_bytes(
-            comm, json.dumps({"files": files, "index": index}).encode())]
-        if rank == 0:
-            try:
-                meta = dict(metadata)
-                meta.update(format_version=FORMAT_VERSION, tag=tag, world_size=comm.world_size,
-                            files={name: info for g in gathered for name, info in g["files"].items()},
-                            ranks=[g["index"] for g in gathered])
-                _write_file_atomic(os.path.join(partial, METADATA),
-                                   json.dumps(meta, indent=1, sort_keys=True).encode())
-                _fsync_dir(partial)
-                _move_into_place(save_dir, tag, partial, final)
-                if save_latest:
-                    _write_file_atomic(os.path.join(save_dir, LATEST), tag.encode())
-                    _fsync_dir(save_dir)
-            except OSError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        if not all_ranks_ok(comm, not error):
-            raise CheckpointError(f"saving checkpoint '{tag}': rank 0 could not finalize it "
-                                  f"({error or 'see rank 0'})")
-    except CheckpointError:
-        raise
-    except Exception as exc:  # a collective failed: a peer died or timed out
-        raise CheckpointError(
-            f"saving checkpoint '{tag}' in {save_dir} failed on rank {rank}: a collective "
-            f"with the other ranks failed ({type(exc).__name__}: {exc}). Another rank probably "
-            f"died or stopped while writing; {unchanged} (the unfinished "
-            f".{tag}.partial is removed by the next save of this tag)") from exc
-    return final
-
-
-def _move_into_place(save_dir: str, tag: str, partial: str, final: str) -> None:
+def move_into_place(save_dir: str, tag: str, partial: str, final: str) -> None:
+    """Rename the finished *partial* directory to *final* (replacing an earlier save of the
+    tag; if that fails, the earlier one is put back)."""
     if os.path.exists(final):  # re-saving a tag: swap, never a moment with neither
         old = os.path.join(save_dir, f".{tag}.old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
-        os.replace(partial, final)
+        try:
+            os.replace(partial, final)
+        except BaseException:
+            os.replace(old, final)  # the previous one stays the checkpoint of this tag
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(partial, final)
-    _fsync_dir(save_dir)
 
 
 # ---- load ---------------------------------------------------------------------------------------
 def resolve_tag(load_dir: str, tag: str | None) -> str:
     """*tag*, or the one named in ``latest``."""
     if tag is not None:
-        return _check_tag(tag)
+        return check_tag(tag)
     latest = os.path.join(load_dir, LATEST)
     if not os.path.exists(latest):
         raise CheckpointError(f"no '{LATEST}' file in {load_dir}: pass tag= explicitly or "
                               f"check the directory (is it a zero-core checkpoint directory?)")
     with open(latest) as fh:
-        return _check_tag(fh.read().strip())
+        return check_tag(fh.read().strip())
 
 
 def locate(path: str, tag: str | None = None) -> tuple[str, str]:
