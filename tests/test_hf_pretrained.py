@@ -190,10 +190,17 @@ def test_save_pretrained_failure_leaves_previous_files(tmp_path, monkeypatch):
     monkeypatch.setattr(pretrained, "write_safetensors", failing)
     with torch.no_grad():
         model.transformer.wpe.weight.add_(1.0)   # what a finished save would change
-    with pytest.raises(ZeroCoreError, match="No space left on device"):
+    with pytest.raises(ZeroCoreError, match=r"disk full \(ENOSPC\) — No space left on device"):
         save_pretrained(model, tmp_path, max_shard_size="40KB")
     assert _digest(tmp_path) == before   # nothing replaced, no temporary left
     assert all(os.path.dirname(p) != str(tmp_path) for p in calls)   # written under a temp dir
+
+    def broken(path, *args, **kwargs):  # not the file system's: still caught and named
+        raise RuntimeError("a tensor could not be read")
+    monkeypatch.setattr(pretrained, "write_safetensors", broken)
+    with pytest.raises(ZeroCoreError, match="RuntimeError: a tensor could not be read"):
+        save_pretrained(model, tmp_path, max_shard_size="40KB")
+    assert _digest(tmp_path) == before
 
 
 def test_save_pretrained_arguments():

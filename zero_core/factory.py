@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from zero_core.config import parse_config
 from zero_core.errors import ConfigError
+from zero_core.runtime.agreement import check_ranks_agree
 from zero_core.runtime.context import init_distributed
-from zero_core.runtime.launch import discover
+from zero_core.runtime.failures import install_failure_report
+from zero_core.runtime.launch import discover, single_process_notice
 from zero_core.stage0to2.engine import ZeroEngine
 from zero_core.stage3.engine import Stage3Engine
 
@@ -17,6 +19,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
                collate_fn=None, config=None, config_params=None):
     """Build a :class:`ZeroEngine`; returns ``(engine, optimizer, None, lr_scheduler)`` like
     ``deepspeed.initialize``. *config*: dict, path to a JSON file, or Config."""
+    install_failure_report()  # first: a config error below is printed once per job, too
     if model is None:
         raise ConfigError("initialize() needs model=<torch.nn.Module>")
     if config is None:
@@ -33,12 +36,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     cfg = parse_config(config, discover().world_size)
     runtime = init_distributed(cfg.accelerator, cfg.comm_backend, cfg.comm_timeout,
                                cfg.topology.ranks_per_node)
+    single_process_notice(runtime.launch, enabled=cfg.safety.launcher_notice)
     if cfg.optimizer is None and optimizer is None:
         raise ConfigError("no optimizer: add an 'optimizer' section to the config (e.g. "
                           "{'type': 'AdamW', 'params': {'lr': 1e-3}}) or pass optimizer=")
     if cfg.optimizer is not None and optimizer is not None:
         raise ConfigError("an 'optimizer' section in the config and optimizer= were both "
                           "given; keep one")
+    if cfg.safety.check_ranks_agree:
+        # before the engines' first collectives, which differ between stages: ranks that
+        # disagree would otherwise hang in them until the communicator times out
+        check_ranks_agree(runtime, cfg, model, optimizer)
     engine_class = Stage3Engine if cfg.zero_optimization.stage == 3 else ZeroEngine
     engine = engine_class(model, cfg, runtime, optimizer=optimizer,
                           model_parameters=model_parameters, lr_scheduler=lr_scheduler)

@@ -37,8 +37,10 @@ import shutil
 
 import torch
 
+from zero_core.checkpoint.save_load import failure_cause
 from zero_core.checkpoint.store import TensorEntry, all_ranks_ok, write_safetensors
 from zero_core.errors import ConfigError, ZeroCoreError
+from zero_core.interfaces.communicator import all_gather_bytes
 from zero_core.integrations.transformers import hf_safetensors as hfs
 from zero_core.stage3 import partitioned_params as pp
 
@@ -185,8 +187,9 @@ def save_pretrained(engine, save_directory, *, max_shard_size="5GB",
         try:
             written = _write_all(model, save_directory, tmp, plan, entries, tensors, values,
                                  sum(n for _, n in sizes))
-        except (OSError, ZeroCoreError, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # any failure must reach the gathers and the agreement below
+            cause, detail, fix = failure_cause(exc)
+            error = f"{cause}{(' — ' + detail) if detail else ''}; {fix}"
             shutil.rmtree(tmp, ignore_errors=True)
     # the other ranks take part in the same gathers, in the same order (rank 0 finishes
     # the remaining ones if its writing failed midway, so nobody waits forever)
@@ -196,8 +199,10 @@ def save_pretrained(engine, save_directory, *, max_shard_size="5GB",
             values(tensors[name])
     values.done()
     if not all_ranks_ok(comm, not error):
-        raise ZeroCoreError(f"save_pretrained to {save_directory} failed on rank 0"
-                            f"{(': ' + error) if error else ''}. Files are moved into place "
+        if comm is not None and comm.world_size > 1:  # the same words on every rank
+            error = all_gather_bytes(comm, error.encode())[0].decode()
+        raise ZeroCoreError(f"save_pretrained to {save_directory} failed on rank 0: "
+                            f"{error}. Files are moved into place "
                             f"only once all are written, so an earlier save there is intact "
                             f"unless the failure came while moving them; fix the cause (disk "
                             f"space, permissions) and save again")
