@@ -10,6 +10,11 @@ It initializes nothing: no torch.distributed, no MPI_Init, no device context.
 consolidates a checkpoint (any world size and stage) into one safetensors state dict
 (convert.py).
 
+``zero-core plan (--preset NAME | --hf-config PATH | --layers L --hidden H --vocab V --seq S)
+[--cluster this-machine|gpu-cluster] [--measure] [--json] …`` predicts memory, communication
+and step time of every ZeRO configuration for a model on a cluster and prints the best one
+as a DeepSpeed-style config (zero_core/plan).
+
 Subcommands are argparse subparsers.
 """
 from __future__ import annotations
@@ -344,6 +349,115 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _plan_model(args):
+    from zero_core.plan import model
+    given = [name for name, value in (("--preset", args.preset), ("--hf-config", args.hf_config),
+                                      ("--layers", args.layers)) if value]
+    if len(given) != 1:
+        raise model.PlanError(
+            f"describe the model one way: --preset NAME (examples/gpt.py), --hf-config PATH "
+            f"(a config.json) or --layers/--hidden/--vocab/--seq; got "
+            f"{', '.join(given) or 'none of them'}")
+    if args.preset:
+        return model.from_preset(args.preset, seq=args.seq)
+    if args.hf_config:
+        return model.from_hf_config(args.hf_config, seq=args.seq)
+    missing = [f"--{k}" for k in ("hidden", "vocab", "seq") if not getattr(args, k)]
+    if missing:
+        raise model.PlanError(f"--layers needs {', '.join(missing)} too")
+    return model.from_dims(args.layers, args.hidden, args.vocab, args.seq, heads=args.heads)
+
+
+def _plan_cluster(args):
+    from zero_core.plan import cluster as clusters, measure
+    measured = None
+    if args.measurement:
+        try:
+            with open(args.measurement) as fh:
+                measured = json.load(fh)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise clusters.PlanError(f"cannot read the measurement {args.measurement}: {exc}; "
+                                     f"make one with --measure --save-measurement FILE")
+    if args.measure:
+        measured = measure.measure(ranks=args.ranks_per_node or args.ranks or 2)
+        if args.save_measurement:
+            with open(args.save_measurement, "w") as fh:
+                json.dump(measured, fh, indent=2)
+    if args.cluster == "gpu-cluster":
+        base = clusters.gpu_cluster(args.ranks or 64, args.ranks_per_node or 8)
+    else:
+        base = clusters.this_machine(measured, args.ranks, args.ranks_per_node)
+    overrides = {"device_memory": args.device_memory_gb and args.device_memory_gb * clusters.GB,
+                 "host_memory": args.host_memory_gb and args.host_memory_gb * clusters.GB,
+                 "disk": args.disk_gb and args.disk_gb * clusters.GB,
+                 "intra_bandwidth": args.intra_gbps and args.intra_gbps * clusters.GBIT,
+                 "inter_bandwidth": args.inter_gbps and args.inter_gbps * clusters.GBIT,
+                 "flops": args.tflops and args.tflops * 1e12}
+    from dataclasses import replace
+    return replace(base, **{k: v for k, v in overrides.items() if v}), measured
+
+
+def _cmd_plan(args) -> int:
+    from zero_core.plan import planner, render
+    try:
+        spec = _plan_model(args)
+        cluster, measured = _plan_cluster(args)
+        candidates = planner.plan(spec, cluster, args.micro_batch, args.precision,
+                                  args.checkpointing, args.flash_attention)
+        scale = [int(n) for n in args.scale.split(",")] if args.scale else []
+        rows = planner.extrapolate(spec, cluster, scale, args.micro_batch, args.precision,
+                                   args.checkpointing) if scale else None
+    except (ZeroCoreError, ValueError) as exc:
+        print(f"zero-core plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(render.as_json(spec, cluster, candidates, args.micro_batch,
+                                        args.precision, {"measured": measured,
+                                                         "extrapolation": rows}), indent=2))
+    else:
+        sys.stdout.write(render.as_text(spec, cluster, candidates, args.micro_batch,
+                                        args.precision, rows))
+    return 0
+
+
+def _add_plan_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="predict memory, communication and step time of every ZeRO configuration",
+        description="For each stage 0-3, with and without offload and (several nodes) ZeRO++: "
+                    "model-state, activation and buffer bytes per rank against capacity, bytes "
+                    "per step per link class, predicted step time; ranked, with the best "
+                    "configuration as DeepSpeed-style JSON.")
+    p.add_argument("--preset", help="a model preset of examples/gpt.py (tiny, small, bench)")
+    p.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder)")
+    p.add_argument("--layers", type=int, help="explicit model: number of layers")
+    p.add_argument("--hidden", type=int, help="explicit model: width")
+    p.add_argument("--vocab", type=int, help="explicit model: vocabulary size")
+    p.add_argument("--heads", type=int, help="explicit model: attention heads (default hidden/64)")
+    p.add_argument("--seq", type=int, help="tokens per sample (default: the model's context)")
+    p.add_argument("--micro-batch", type=int, default=1, help="samples per rank and step")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--flash-attention", action="store_true",
+                   help="attention that stores no s^2 scores (SDPA flash / memory-efficient)")
+    p.add_argument("--cluster", choices=("this-machine", "gpu-cluster"), default="this-machine")
+    p.add_argument("--ranks", type=int, help="ranks in all")
+    p.add_argument("--ranks-per-node", type=int)
+    p.add_argument("--device-memory-gb", type=float, help="per rank (GB = 1e9 bytes)")
+    p.add_argument("--host-memory-gb", type=float, help="per node")
+    p.add_argument("--disk-gb", type=float, help="per node")
+    p.add_argument("--intra-gbps", type=float, help="Gbit/s per rank inside a node")
+    p.add_argument("--inter-gbps", type=float, help="Gbit/s per rank across nodes")
+    p.add_argument("--tflops", type=float, help="TFLOP/s per rank")
+    p.add_argument("--measure", action="store_true",
+                   help="time a matmul, the disk and 2-rank gloo collectives here (~30 s)")
+    p.add_argument("--save-measurement", metavar="FILE", help="with --measure: keep the rates")
+    p.add_argument("--measurement", metavar="FILE", help="rates saved by --save-measurement")
+    p.add_argument("--scale", metavar="N,N,...",
+                   help="also the best configuration at these numbers of ranks (e.g. 64,512,4096)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zero-core", description="ZeRO for PyTorch on any accelerator: tools.")
@@ -381,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "per parameter (full shape, fp32) and the hyperparameters")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
     convert.set_defaults(func=_cmd_convert)
+    _add_plan_parser(sub)
     return parser
 
 

@@ -1,0 +1,34 @@
+"""Rank program for tests/test_plan.py: the memory ledger of real engines, to hold the
+planner's prediction against at this world size.
+
+Usage: ``plan_measure.py '<json: {"overrides": {...}, "cases": [[stage, precision], ...]}>'``.
+For every case an engine is built on examples/gpt.py's tiny preset (with *overrides*), and
+the rank reports its ledger's model-state categories, Ψ and padding."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+
+import zero_core  # noqa: E402
+from gpt import build_model  # noqa: E402
+from zero_core.testing import leave_rank, report  # noqa: E402
+
+task = json.loads(sys.argv[1])
+out = []
+for stage, precision in task["cases"]:
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    engine, *_ = zero_core.initialize(model=build_model("tiny", seed=0, **task["overrides"]),
+                                      config=config)
+    rep = engine.memory_report()
+    out.append({"stage": stage, "precision": precision, "ledger": rep["ledger"],
+                "num_parameters": rep["num_parameters"],
+                "padding_elements": rep["padding_elements"]})
+    engine.destroy()
+report(out)
+leave_rank()

@@ -1,0 +1,158 @@
+"""Bytes per rank of one planned configuration: model states, offload, hpZ, activations,
+buffers.
+
+Model states are ``zero_core.memory.model_state_breakdown`` (ARCHITECTURE §4's formulas,
+the ones ``engine.memory_report()`` prints) evaluated on the engine's own padded element
+count: the layout comes from the engine's layout code (``plan_group_layout`` at stages 0–2,
+``plan_units`` + ``unit_layout`` at stage 3 on the model's meta-device shape), so the
+prediction is the memory ledger's figure, padding included, not a re-derivation.
+
+Offload (``offload_optimizer`` cpu/nvme) moves the master weights and optimizer states off
+the device, to host memory or to files on disk; at stage 3 ``offload_param`` moves the
+parameter partition too. hpZ keeps a secondary partition of every non-persistent unit,
+P/H elements of the compute dtype (H = ranks per node), as ``zeropp/hpz.py`` allocates.
+
+Activations of a GPT block (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", §4.1, eq. 1, no tensor/sequence parallelism), for s tokens per
+sample, micro-batch b, width h, a heads, 16-bit activations:
+
+    per layer  s·b·h·(34 + 5·a·s/h) bytes
+
+(34sbh: the inputs kept for the QKV, attention-output and MLP matmuls, LayerNorms, GELU and
+dropout masks; 5as²b: the attention scores, softmax and its dropout mask). Attention that
+never materializes the scores (flash / memory-efficient SDPA) drops the second term
+(``flash_attention=True``). fp32 activations double the figure. With activation
+checkpointing only each layer's input is kept, 2sbh per layer (16-bit), plus one layer's
+full activations while it is recomputed. Both add the logits: s·b·V in the compute dtype
+and again in fp32 for the loss (``lm_loss`` upcasts).
+
+Buffers: stages 0–2 reduce inside their flat buffers; staging for the reduction is one
+fp32 bucket (``reduce_bucket_size`` elements). Stage 3 adds the gathered parameters: the
+persistent unit (kept gathered) and the live window, bounded by the largest unit plus one
+prefetch bucket and by ``stage3_max_live_parameters``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zero_core.memory import PRECISION_BYTES, model_state_breakdown
+from zero_core.partitioning.layout import alignment_for, plan_group_layout
+from zero_core.plan.model import ModelSpec, PlanError
+from zero_core.stage3.units import coalesce_numel, plan_units, unit_layout
+
+ADAM_K = 12
+
+
+@dataclass(frozen=True)
+class ZeroSizes:
+    """The zero_optimization sizes the layout depends on (elements). Defaults: the config
+    parser's (``zero_core.config``), read by :func:`default_sizes`."""
+
+    reduce_bucket_size: int
+    prefetch_bucket_size: int
+    persistence_threshold: int
+    max_live_parameters: int
+
+
+def default_sizes() -> ZeroSizes:
+    from zero_core.config import parse_config
+    zc = parse_config({"train_micro_batch_size_per_gpu": 1}).zero_optimization
+    return ZeroSizes(zc.reduce_bucket_size, zc.stage3_prefetch_bucket_size,
+                     zc.stage3_param_persistence_threshold, zc.stage3_max_live_parameters)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The engine's flat layout of one model at one stage and world size: *padded* elements
+    of trainable parameters, and at stage 3 every unit's (padded elements, persistent)."""
+
+    num_parameters: int
+    padded: int
+    units: tuple[tuple[int, bool], ...] = ()
+
+    @property
+    def padding(self) -> int:
+        return self.padded - self.num_parameters
+
+
+def layout(spec: ModelSpec, stage: int, world_size: int, precision: str,
+           sizes: ZeroSizes | None = None) -> Layout:
+    """The engine's layout for *spec* (one optimizer group, every parameter trainable)."""
+    sizes = sizes or default_sizes()
+    model = spec.build_meta()
+    params = list(model.parameters())
+    psi = sum(p.numel() for p in params)
+    align = alignment_for(PRECISION_BYTES[precision])
+    if stage < 3:
+        lay = plan_group_layout([p.numel() for p in reversed(params)], sizes.reduce_bucket_size,
+                                world_size, align)
+        return Layout(psi, lay.padded_numel)
+    target = coalesce_numel(sizes.prefetch_bucket_size, sizes.reduce_bucket_size)
+    units, _ = plan_units(model, {id(p): 0 for p in params}, sizes.persistence_threshold, target)
+    lay = unit_layout(units, world_size, align)
+    return Layout(psi, lay.padded_numel, tuple((u.padded_numel, u.persistent) for u in units))
+
+
+def model_states(stage: int, elements: float, world_size: int, precision: str,
+                 k: int = ADAM_K) -> dict:
+    """Bytes per rank by category (``model_state_breakdown``) plus ``model_states``, their sum."""
+    out = model_state_breakdown(stage, elements, world_size, precision, k)
+    out["model_states"] = sum(out.values())
+    return out
+
+
+def activation_bytes(spec: ModelSpec, micro_batch: int, precision: str,
+                     checkpointing: bool = False, flash_attention: bool = False) -> dict:
+    """Activation bytes per rank (module docstring: Korthikanti et al. 2022, eq. 1)."""
+    s, b, h, a, layers = spec.seq, micro_batch, spec.hidden, spec.n_head, spec.n_layer
+    scale = PRECISION_BYTES[precision] / 2
+    per_layer = s * b * h * 34 + (0 if flash_attention else 5 * a * s * s * b)
+    per_layer *= scale
+    logits = s * b * spec.vocab * (PRECISION_BYTES[precision] + 4)
+    if checkpointing:
+        kept = layers * 2 * s * b * h * scale + per_layer
+    else:
+        kept = layers * per_layer
+    return {"layers": kept, "logits": logits, "total": kept + logits,
+            "formula": ("L·2sbh + sbh(34 + 5as/h)" if checkpointing else "L·sbh(34 + 5as/h)")
+            + (" (no 5as/h: flash attention)" if flash_attention else "")
+            + ("" if scale == 1 else f" ×{scale:g} ({precision})") + " + sbV(bytes + 4)"}
+
+
+def buffer_bytes(lay: Layout, stage: int, precision: str, sizes: ZeroSizes) -> dict:
+    """Working buffers per rank (module docstring)."""
+    b = PRECISION_BYTES[precision]
+    reduce = 4 * min(sizes.reduce_bucket_size, lay.padded)
+    out = {"reduce_bucket": reduce, "persistent_parameters": 0, "live_parameters": 0}
+    if stage == 3:
+        persistent = sum(p for p, keep in lay.units if keep)
+        largest = max((p for p, keep in lay.units if not keep), default=0)
+        window = min(largest + sizes.prefetch_bucket_size, sizes.max_live_parameters,
+                     lay.padded - persistent)
+        out.update(persistent_parameters=b * persistent, live_parameters=b * max(window, 0))
+    out["total"] = sum(out.values())
+    return out
+
+
+OFFLOAD = ("none", "cpu", "nvme")
+
+
+def placement(states: dict, stage: int, offload: str) -> dict:
+    """Where the model states live: bytes per rank on the device, in host memory and on
+    disk, for *offload* none / cpu / nvme (optimizer; at stage 3 the parameters too)."""
+    if offload not in OFFLOAD:
+        raise PlanError(f"offload {offload!r}: use one of {', '.join(OFFLOAD)}")
+    if offload != "none" and stage < 1:
+        raise PlanError("offload needs stage 1, 2 or 3 (it moves partitioned optimizer states)")
+    moved = ["master_weights", "optimizer_states"] + (["parameters"] if stage == 3 else [])
+    moved = moved if offload != "none" else []
+    off = sum(states[c] for c in moved)
+    return {"device": states["model_states"] - off,
+            "host": off if offload == "cpu" else 0.0,
+            "disk": off if offload == "nvme" else 0.0,
+            "moved": moved}
+
+
+def hpz_bytes(lay: Layout, precision: str, hpz_size: int) -> float:
+    """hpZ's secondary partition per rank: P/H compute-dtype elements per non-persistent unit."""
+    return sum(p for p, keep in lay.units if not keep) * PRECISION_BYTES[precision] // hpz_size
