@@ -30,8 +30,9 @@ def _round_up(n: int, m: int) -> int:
 
 
 def norm_allreduce_bytes(world_size: int) -> int:
-    """The engine's one float64 all-reduce of the squared gradient norm per step."""
-    return 2 * (world_size - 1) * 8 // world_size
+    """The engine's one all-reduce per step of three float64: the squared gradient norm and
+    the two sample-count sums of ``safety.check_batch_sizes`` (on by default)."""
+    return 2 * (world_size - 1) * 3 * 8 // world_size
 
 
 def zero3_inter_node_bytes(forward: list[int], backward: list[int], reduced: list[int],
