@@ -42,7 +42,7 @@ ALL = ("s0", "s1", "s2", "s3", "s2_bf16", "s2_fp16", "s3_bf16", "s3_fp16", "s3_i
 NATIVE = ("s0", "s2_bf16", "s3", "s3_init", "zpp_qwz", "zpp_qgz", "off_opt_cpu",
           "off_param_nvme", "ckpt", "ckpt_off")
 # 4 ranks on 2 cores: the features whose collectives change shape with the world size
-FOUR = ("s1", "s3_fp16", "zpp_hpz", "zpp_qgz", "off_param_nvme", "ckpt")
+FOUR = ("s3_fp16", "zpp_hpz", "zpp_qgz", "ckpt")
 # 2 ranks under mpirun: one scenario per distinct path (see the docstring)
 MPI = ("s2", "s3", "s2_fp16", "s3_bf16", "zpp_qgz", "zpp_hpz", "off_opt_nvme", "off_param_cpu",
        "ckpt", "ckpt_off")

@@ -61,10 +61,10 @@ def _printer_and_pointers(log: str, headline: str, ranks) -> int:
 
 @pytest.mark.multirank
 def test_a_config_error_on_every_rank_is_printed_once(tmp_path):
-    """Under mpirun and torchrun; with ZERO_CORE_DEBUG=1 every rank prints its traceback.
-    The three jobs run side by side (each is mostly Python starting up)."""
-    jobs = {"mpirun": ("mpirun", None), "torchrun": ("torchrun", None),
-            "debug": ("torchrun", {"ZERO_CORE_DEBUG": "1"})}
+    """Under mpirun and torchrun, side by side (each job is mostly Python starting up).
+    ZERO_CORE_DEBUG=1 installs no hook (checked in process below), which leaves Python's
+    report: every rank's traceback."""
+    jobs = {"mpirun": ("mpirun", None), "torchrun": ("torchrun", None)}
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {name: pool.submit(_job, launcher, "config", tmp_path, env=env)
                    for name, (launcher, env) in jobs.items()}
@@ -79,10 +79,6 @@ def test_a_config_error_on_every_rank_is_printed_once(tmp_path):
         if name == "torchrun":  # each rank's own output holds its own line, and only that
             assert res[k].log.count("zero-core") == 1 and res[1 - k].log.count("zero-core") == 1
             assert "failed: ConfigError" in res[k].log and "same error" in res[1 - k].log
-    for r in done["debug"][0]:
-        assert "Traceback (most recent call last)" in r.log, r.log[-3000:]
-        assert f"zero_core.errors.{STAGE7}" in r.log
-        assert "zero-core: rank" not in r.log  # Python's own report, not ours
 
 
 @pytest.mark.multirank

@@ -342,15 +342,16 @@ class ZeroEngine(torch.nn.Module):
         reduce_norm = self.stage > 0 and self.world_size > 1
         if not (reduce_norm or check):
             return float(local_sumsq.item())
-        stats = torch.stack([local_sumsq if reduce_norm else torch.zeros((), dtype=torch.float64),
-                             torch.tensor(n, dtype=torch.float64),
-                             torch.tensor(n * n, dtype=torch.float64)])
+        # on the norm's device: the collective carries one tensor, wherever gradients live
+        counts = torch.tensor([n, n * n], dtype=torch.float64, device=local_sumsq.device)
+        stats = torch.cat([(local_sumsq if reduce_norm else torch.zeros_like(local_sumsq))
+                           .reshape(1), counts])
         self.comm.all_reduce(stats, "sum")
-        total, total_sq = float(stats[1]), float(stats[2])
+        sumsq, total, total_sq = stats.tolist()  # one device-to-host copy
         # all equal <=> N·Σn² = (Σn)² (Cauchy–Schwarz); exact while the numbers are below 2**53
         if check and total * total < 2.0 ** 53 and self.world_size * total_sq != total * total:
             self._raise_batch_mismatch(n)
-        return float(stats[0]) if reduce_norm else float(local_sumsq.item())
+        return sumsq if reduce_norm else float(local_sumsq.item())
 
     def _raise_batch_mismatch(self, n: float):
         """Collective (every rank saw the same sums): name each rank's sample count."""
