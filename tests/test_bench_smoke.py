@@ -46,11 +46,12 @@ def test_bench_stage3_quick(tmp_path):
     assert "| contender | launcher | median step (s) | vs DDP |" in proc.stdout
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["results"]}
-    assert set(rows) == {"ddp", "fsdp2", "deepspeed-3", "zero-core-3-gloo", "zero-core-3-mpi"}
+    assert set(rows) == {"compute-only", "ddp", "fsdp2", "deepspeed-3", "zero-core-3-gloo",
+                         "zero-core-3-mpi"}
     if rows["deepspeed-3"]["status"] == "skipped":
         assert "deepspeed" in rows["deepspeed-3"]["reason"]
     ok = [r for r in rows.values() if r["status"] == "ok"]
-    assert len(ok) >= 4, [(r["name"], r["status"], r.get("reason", "")[:300]) for r in rows.values()]
+    assert len(ok) >= 5, [(r["name"], r["status"], r.get("reason", "")[:300]) for r in rows.values()]
     for r in ok:
         assert len(r["runs"][0]["step_s"]) == 3 and r["median_step_s"] > 0
         assert r["peak_rss_bytes"] > 0 and math.isfinite(r["last_loss"])
@@ -58,6 +59,8 @@ def test_bench_stage3_quick(tmp_path):
         assert r["first_loss"] == pytest.approx(rows["ddp"]["first_loss"], rel=1e-5)
     for comm in ("gloo", "mpi"):
         assert any(v.startswith(f"zero-core-3-{comm}: ") for v in result["verdicts"])
+        assert any(v.startswith(f"zero-core-3-{comm}: ") and "compute-only" in v
+                   for v in result["verdicts"])
         assert f"zero-core-3-{comm}" in proc.stdout
 
 

@@ -136,7 +136,14 @@ def setup_zero_core(model, args, launch):
     return EngineStep(engine)
 
 
-SETUPS = {"ddp": setup_ddp, "zero_redundancy": setup_zero_redundancy, "fsdp2": setup_fsdp2,
+def setup_compute_only(model, args, launch):
+    """The lower bound of every data-parallel contender: each rank trains its own per-rank
+    batch with no process group and no communication at all (both ranks still run side by
+    side, so they compete for the cores as every other contender's ranks do)."""
+    return TorchStep(model, torch_adamw(model.parameters()))
+
+
+SETUPS = {"compute_only": setup_compute_only, "ddp": setup_ddp, "zero_redundancy": setup_zero_redundancy, "fsdp2": setup_fsdp2,
           "deepspeed": setup_deepspeed, "zero_core": setup_zero_core}
 
 

@@ -4,7 +4,10 @@ ZeRO-3 + ZeRO++ (qwZ + hpZ + qgZ) training the example GPT (examples/gpt.py).
     python ci/bench_cluster.py --worker ci/bench_workers/zeropp_engine.py \\
         --variants stage3,stage3-zeropp --worker-args "--model bench --micro 2"
 
-Variants: ``stage3`` (plain stage 3) and ``stage3-zeropp`` (zero_quantized_weights,
+Variants: ``stage3`` (plain stage 3), ``stage3-gloo`` (plain stage 3 with gloo's own
+all_gather and reduce_scatter instead of zero-core's direct exchanges, GlooCommunicator's
+comparison switches: how the collectives' shape, not their count, sets the bytes that cross
+the node boundary) and ``stage3-zeropp`` (zero_quantized_weights,
 zero_hpz_partition_size = ranks per node, zero_quantized_gradients), and ``deepspeed-3``
 (DeepSpeed's ZeRO-3 with the same stage-3 settings, DS_ACCELERATOR=cpu, gloo, torch's AdamW;
 needs the benchmark environment with deepspeed: bench_cluster.py re-runs itself there). All
@@ -42,7 +45,7 @@ from text_data import GlobalBatchSampler, load_stdlib_text  # noqa: E402
 from zero_core.runtime.context import shutdown  # noqa: E402
 from zero_core.testing import report  # noqa: E402
 
-VARIANTS = ("stage3", "stage3-zeropp", "deepspeed-3")
+VARIANTS = ("stage3", "stage3-gloo", "stage3-zeropp", "deepspeed-3")
 
 
 def engine_config(variant: str, a, ranks_per_node: int) -> dict:
@@ -113,6 +116,10 @@ def main() -> None:
         engine = DeepSpeedRun(model, a)
         comm, barrier = None, engine.barrier
     else:
+        if a.variant == "stage3-gloo":
+            from zero_core.backends.comm.torch_dist import GlooCommunicator
+            GlooCommunicator.all_gather_via_p2p = False
+            GlooCommunicator.reduce_scatter_via_all_to_all = False
         engine, *_ = zero_core.initialize(model=model,
                                           config=engine_config(a.variant, a, ranks_per_node))
         comm = engine.comm

@@ -103,6 +103,15 @@ def finite(tensors) -> bool:
     return all(bool(torch.isfinite(t.float()).all()) for t in tensors)
 
 
+def error_of(fn, *args, **kwargs) -> str | None:
+    """``"<Type>: <message>"`` of the ZeroCoreError *fn* raised, or None."""
+    try:
+        fn(*args, **kwargs)
+    except zero_core.ZeroCoreError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 class Captured(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -122,11 +131,8 @@ def nonfinite(rank, stage, precision, poison_name, action):
             train_step(engine, model, rank, step)
         before = state(engine)
         out = {"scenario": "nonfinite", "stage": stage, "precision": precision,
-               "poison": poison_name, "action": action, "error": None}
-        try:
-            train_step(engine, model, rank, 2, poison=poison)
-        except zero_core.ZeroCoreError as exc:
-            out["error"] = f"{type(exc).__name__}: {exc}"
+               "poison": poison_name, "action": action,
+               "error": error_of(train_step, engine, model, rank, 2, poison=poison)}
         after = state(engine)
         out.update(unchanged=same(before, after), finite_after=finite(after),
                    skipped=engine.skipped_steps, global_steps=engine.global_steps,
@@ -146,11 +152,8 @@ def consecutive_limit(rank):
     try:
         train_step(engine, model, rank, 0)
         for step in (1, 2):
-            try:
-                train_step(engine, model, rank, step, poison=float("nan"))
-                out["errors"].append(None)
-            except zero_core.ZeroCoreError as exc:
-                out["errors"].append(f"{type(exc).__name__}: {exc}")
+            out["errors"].append(error_of(train_step, engine, model, rank, step,
+                                          poison=float("nan")))
         out["skipped"] = engine.skipped_steps
         return out
     finally:
@@ -160,26 +163,18 @@ def consecutive_limit(rank):
 def disagree(rank, name, cfgs, extras=(False, False)):
     """Each rank initializes with its own config/model: expect one named error everywhere."""
     t0 = time.monotonic()
-    out = {"scenario": "disagree", "name": name, "error": None}
-    try:
-        engine, _ = build(cfgs[rank], extras[rank])
-        engine.destroy()
-    except zero_core.ZeroCoreError as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    out["seconds"] = time.monotonic() - t0
-    return out
+    error = error_of(lambda: build(cfgs[rank], extras[rank])[0].destroy())
+    return {"scenario": "disagree", "name": name, "error": error,
+            "seconds": time.monotonic() - t0}
 
 
 def batch_mismatch(rank):
     engine, model = build(config(2, "fp32"))
-    out = {"scenario": "batch_mismatch", "error": None}
+    out = {"scenario": "batch_mismatch"}
     try:
         train_step(engine, model, rank, 0)
         before = state(engine)
-        try:
-            train_step(engine, model, rank, 1, batch=4 if rank == 0 else 3)
-        except zero_core.ZeroCoreError as exc:
-            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["error"] = error_of(train_step, engine, model, rank, 1, batch=4 if rank == 0 else 3)
         out["unchanged"] = same(before, state(engine))
         train_step(engine, model, rank, 2)  # equal sizes again: trains
         out["global_steps"] = engine.global_steps
@@ -190,14 +185,11 @@ def batch_mismatch(rank):
 
 def step_without_backward(rank):
     engine, model = build(config(3, "fp32"))
-    out = {"scenario": "no_backward", "error": None}
+    out = {"scenario": "no_backward"}
     try:
         train_step(engine, model, rank, 0)
         before = state(engine)
-        try:
-            engine.step()
-        except zero_core.ZeroCoreError as exc:
-            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["error"] = error_of(engine.step)
         out["unchanged"] = same(before, state(engine))
         out["global_steps"] = engine.global_steps
         return out
