@@ -78,21 +78,23 @@ def rank_main(variant: str, max_reuse: int) -> None:
     sampler = GlobalBatchSampler(load_stdlib_text(max_bytes=4 << 20).train,
                                  model.cfg.block_size, a.micro, engine.world_size, seed=0)
     ledger = {}
+
+    def run_phase(name, fn):
+        """Run one phase of the step, attributing DeepSpeed's calls (via *phase*) or the
+        ledger's difference (zero-core) to *name*."""
+        phase[0] = name
+        mark = engine.comm.ledger.snapshot() if variant != "deepspeed-3" else None
+        out = fn()
+        if mark is not None:
+            ledger[name] = engine.comm.ledger.difference(engine.comm.ledger.snapshot(), mark)
+        return out
+
     for i in range(2):  # a warm-up step, then the counted one
         counts.clear()
         x, y = sampler.rank_batch(i, engine.global_rank)
-        for name, run in (("forward", lambda: lm_loss(engine(x), y)),):
-            phase[0] = name
-            mark = engine.comm.ledger.snapshot() if variant != "deepspeed-3" else None
-            loss = run()
-            if mark is not None:
-                ledger["forward"] = engine.comm.ledger.difference(engine.comm.ledger.snapshot(), mark)
-        for name, run in (("backward", lambda: engine.backward(loss)), ("step", engine.step)):
-            phase[0] = name
-            mark = engine.comm.ledger.snapshot() if variant != "deepspeed-3" else None
-            run()
-            if mark is not None:
-                ledger[name] = engine.comm.ledger.difference(engine.comm.ledger.snapshot(), mark)
+        loss = run_phase("forward", lambda: lm_loss(engine(x), y))
+        run_phase("backward", lambda: engine.backward(loss))
+        run_phase("step", engine.step)
     if variant == "deepspeed-3":
         rows = {f"{p}|{n}": v for (p, n), v in counts.items()}
     else:
