@@ -524,7 +524,6 @@ class ZeroEngine(torch.nn.Module):
         return zero_layout(self)
 
 
-
 def _leading_dim(args, kwargs) -> int:
     """Samples in one forward call: the leading dimension of the first tensor argument
     (positional first, then keyword, in order); 0 when there is none."""
