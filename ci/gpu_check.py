@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """zero-core's GPU kit: run the project's GPU checks on one CUDA GPU and write one report.
 
-    python ci/gpu_check.py [--out DIR] [--quick] [--budget SECONDS] [-k SUBSTRING]
+    python ci/gpu_check.py [--out DIR] [--quick] [--budget SECONDS] [-k SUBSTRING] [--profile]
     python ci/gpu_check.py --device cpu --quick --out /tmp/kit   # dry run, no GPU needed
     bash ci/gpu_check.sh                                           # on the GPU machine
 
@@ -106,7 +106,7 @@ def run_one(check, ctx) -> dict:
 
 def worker_main(args) -> int:
     """Run the named checks in order, appending start/done events to the state file."""
-    ctx = cases.Ctx(args.device, args.quick, args.scratch, args.seed)
+    ctx = cases.Ctx(args.device, args.quick, args.scratch, args.seed, args.profile)
     by_name = {c.name: c for c in cases.plan(ctx)}
     for name in args.checks.split(","):
         _event(args.state, {"event": "start", "name": name, "t": time.time()})
@@ -188,6 +188,8 @@ class Runner:
                "--state", state, "--checks", ",".join(names)]
         if self.ctx.quick:
             cmd.append("--quick")
+        if self.ctx.profile:
+            cmd.append("--profile")
         caps = {c.name: c.cap_s for c in self.checks}
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -414,6 +416,9 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for all checks together (default: 400 on cuda, 900 on cpu)")
     p.add_argument("--seed", type=int, default=None, help="reuse a run's seed")
+    p.add_argument("--profile", action="store_true",
+                   help="bench checks also profile two steps (torch.profiler): host and device "
+                        "time per step and the top ops, in the JSON report")
     p.add_argument("-k", "--select", action="append", default=[], metavar="SUBSTRING",
                    help="run only checks whose name contains SUBSTRING (repeatable)")
     p.add_argument("--list", action="store_true", help="list the checks and exit")
@@ -446,7 +451,7 @@ def main(argv=None) -> int:
               f"machine, or use --device cpu for a dry run.", file=sys.stderr)
         return 2
     scratch = tempfile.mkdtemp(prefix="zero_core_gpu_check_")
-    ctx = cases.Ctx(args.device, args.quick, scratch, seed)
+    ctx = cases.Ctx(args.device, args.quick, scratch, seed, args.profile)
     checks = cases.plan(ctx)
     if args.select:
         checks = [c for c in checks if any(s in c.name for s in args.select)]

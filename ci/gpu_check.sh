@@ -92,13 +92,15 @@ else
     install_link_farm || { say "FAILED: could not make zero-core importable"; exit 2; }
 fi
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-"$py" -c "
+# from $tmp, not the checkout: `python -c` puts the working directory first on sys.path, and
+# the checkout's ./zero_core (which has no backends/ inside) would shadow the installed package
+(cd "$tmp" && "$py" -c "
 import zero_core, zero_core.backends, zero_core.accel_kernels, zero_core.conformance
 from zero_core.runtime import registry
 reg = registry.load()
 assert 'cuda' in reg.accelerators and 'nccl' in reg.communicators, (sorted(reg.accelerators), sorted(reg.communicators))
 print('[gpu_check.sh] zero-core', zero_core.__version__, 'from', zero_core.__file__)
-" >&2 || { say "FAILED: zero-core does not import from $site (see above)"; exit 2; }
+") >&2 || { say "FAILED: zero-core does not import from $site (see above)"; exit 2; }
 
 # ---- 3. the checks -------------------------------------------------------------------------------
 budget=$(( ${GPU_CHECK_BUDGET:-450} - (SECONDS - start) - 20 ))

@@ -100,3 +100,83 @@ def test_conformance_failures_are_read_from_the_suites_report():
     assert numbers["failed"] == ["all_reduce/sum/fp32"]
     assert numbers["unsupported"] == ["all_to_all/int8"]
     assert len(failures) == 1 and "off by 1" in failures[0]
+
+
+# ---- the fused-optimizer check's bound: loose enough for correct float32 kernels, tight
+# enough for real mistakes. The first GPU run (H100, torch 2.11) failed the check's old
+# bound (64 ulps of |old| + |new|) on torch's own fused Adam: its CUDA kernel forms
+# 1 - beta2 from float32 beta2, and under L2 decay g + wd * p cancels.
+def _adam_float32(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay,
+                  step, adamw, bias_correction, eps_inside_sqrt=False, bc2_unsquared=False,
+                  decoupled_always=False, bias_eps=False):
+    """Adam written out in float32 arithmetic the way a CUDA kernel does it (every
+    hyperparameter a float, corrections from float pow), with switches for mistakes."""
+    import torch
+    f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    b1, b2, lr_f, eps_f, wd = f(beta1), f(beta2), f(lr), f(eps), f(weight_decay)
+    g = grad.clone()
+    if weight_decay and (adamw or decoupled_always):
+        param.mul_(1 - lr_f * wd)
+    elif weight_decay:
+        g = g + wd * param
+    exp_avg.copy_(b1 * exp_avg + (1 - b1) * g)
+    exp_avg_sq.copy_(b2 * exp_avg_sq + (1 - b2) * g * g)
+    one = f(1.0)
+    bc1 = one - b1 ** step if bias_correction else one
+    bc2 = one - b2 ** step if bias_correction else one
+    bc2_s = bc2 if bc2_unsquared else bc2.sqrt()
+    if eps_inside_sqrt:
+        denom = (exp_avg_sq + eps_f).sqrt() / bc2_s
+    elif bias_eps:
+        denom = (exp_avg_sq.sqrt() + eps_f) / bc2_s
+    else:
+        denom = exp_avg_sq.sqrt() / bc2_s + eps_f
+    param.sub_((lr_f / bc1) * exp_avg / denom)
+
+
+def _worst_ratio(kernel, **mistake):
+    """The largest difference / bound over 4 steps of every Adam variant, 200k elements."""
+    import functools
+
+    import torch
+    sys.path.insert(0, os.path.dirname(KIT))
+    import gpu_check_cases
+    from zero_core.accel_kernels import optim_reference as ref
+    gen = torch.Generator().manual_seed(20261127)
+    worst = 0.0
+    for adamw in (True, False):
+        for bc in (True, False):
+            for wd in (0.0, 0.1):
+                n = 200_000
+                state = {"param": torch.randn(n, generator=gen),
+                         "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}
+                for step in range(1, 5):
+                    scale = 10.0 ** (float(torch.rand(1, generator=gen)) * 4 - 3)
+                    grad = torch.randn(n, generator=gen) * scale
+                    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd,
+                              step=step, adamw=adamw, bias_correction=bc)
+                    mine = {k: v.clone() for k, v in state.items()}
+                    want = {k: v.clone() for k, v in state.items()}
+                    functools.partial(kernel, **mistake)(
+                        mine["param"], grad, mine["exp_avg"], mine["exp_avg_sq"], **kw)
+                    ref.adam_step(want["param"], grad, want["exp_avg"], want["exp_avg_sq"], **kw)
+                    bounds = gpu_check_cases.adam_error_bound(state, grad, want, ulps=64, **kw)
+                    for key in want:
+                        diff = (mine[key].double() - want[key].double()).abs()
+                        worst = max(worst, float((diff / (bounds[key] + 1e-30)).max()))
+                    state = mine
+    return worst
+
+
+@pytest.mark.parametrize("kernel", ["float32-hyperparameters", "optim_fused", "optim_cpu"])
+def test_adam_bound_accepts_correct_float32_kernels(kernel):
+    from zero_core.accel_kernels import optim_cpu, optim_fused
+    fn = {"float32-hyperparameters": _adam_float32, "optim_fused": optim_fused.adam_step,
+          "optim_cpu": optim_cpu.adam_step}[kernel]
+    assert _worst_ratio(fn) <= 1.0
+
+
+@pytest.mark.parametrize("mistake", ["eps_inside_sqrt", "bc2_unsquared", "decoupled_always",
+                                     "bias_eps"])
+def test_adam_bound_rejects_a_wrong_formula(mistake):
+    assert _worst_ratio(_adam_float32, **{mistake: True}) > 1.0
