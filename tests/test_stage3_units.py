@@ -92,3 +92,114 @@ def test_released_parameter_errors_and_reports_its_full_shape():
     pp.attach(w, torch.arange(12.0))
     assert meta.available and torch.equal(lin(torch.zeros(1, 4)), lin.bias.detach()[None])
     assert float(w.detach().sum()) == 66.0
+
+
+class _Tagged(torch.nn.Parameter):
+    """A parameter subclass of the user's (libraries have them)."""
+
+
+def test_only_released_parameters_go_through_torch_function():
+    lin = torch.nn.Linear(4, 3)
+    lin.weight = _Tagged(lin.weight.detach().clone())
+    w = lin.weight
+    pp.mark_partitioned(w, "lin.weight")
+    calls = []
+    original = pp.PartitionedParameter.__torch_function__.__func__
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        calls.append(getattr(func, "__name__", func))
+        return original(cls, func, types, args, kwargs)
+
+    pp.PartitionedParameter.__torch_function__ = classmethod(counting)
+    try:
+        for _ in range(2):
+            assert type(w) is _Tagged and pp.is_partitioned(w)   # available: its own class
+            lin(torch.ones(2, 4)).sum().backward()
+            assert calls == [] and w.grad is not None
+            w.grad = None
+            pp.release(w)
+            assert type(w) is pp.PartitionedParameter and pp.is_partitioned(w)
+            assert tuple(w.shape) == (3, 4) and calls                # answered by the guard
+            with pytest.raises(pp.ParameterNotGatheredError):
+                lin(torch.ones(2, 4))
+            pp.attach(w, torch.randn(12))
+            calls.clear()
+    finally:
+        pp.PartitionedParameter.__torch_function__ = classmethod(original)
+    assert type(w) is _Tagged and w is lin.weight
+
+
+# ---- the prefetcher's resumed scan issues exactly the gathers of a scan from pos -------------
+class _OneRank:
+    world_size, rank = 1, 0
+
+
+def _scan_from_pos(coord) -> None:
+    """The prefetch rule, scanned from the current request every time (the specification
+    coordinator._prefetch must match while resuming where its last scan stopped)."""
+    ahead, g = 0, coord.gatherer
+    for idx in coord.trace.upcoming():
+        u = coord.units[idx]
+        if u.persistent:
+            g.start(u)
+            continue
+        ahead += u.padded_numel
+        if ahead > coord.prefetch_bucket_size:
+            break
+        if u.released:
+            if g.live_numel + u.padded_numel > coord.max_live:
+                break
+            g.start(u)
+            coord.prefetched += 1
+
+
+def _drive(seed: int, spec: bool) -> list:
+    """Three passes of a random module-call sequence over random units; the order in which
+    units start gathering, releases in between (reuse distance, live window, backward)."""
+    import random
+
+    from zero_core.stage3.coordinator import ParamCoordinator
+    from zero_core.stage3.gather import UnitGatherer
+    from zero_core.stage3.units import FetchUnit
+    rng = random.Random(seed)
+    units = []
+    for i in range(rng.randint(3, 40)):
+        u = FetchUnit(index=i, group=0, persistent=rng.random() < 0.2)
+        u.padded_numel = u.numel = rng.choice([4, 8, 16, 64])
+        u.part = torch.zeros(u.padded_numel)
+        units.append(u)
+    events = []
+
+    class Logged(UnitGatherer):
+        def start(self, u):
+            if u.released:
+                events.append(("start", u.index))
+            super().start(u)
+
+        def release(self, u):
+            if not u.released:
+                events.append(("release", u.index))
+            super().release(u)
+
+    coord = ParamCoordinator(units, Logged(_OneRank(), torch.float32, torch.device("cpu")),
+                             prefetch_bucket_size=rng.choice([0, 8, 40, 10**9]),
+                             max_live_parameters=rng.choice([16, 64, 10**9]),
+                             max_reuse_distance=rng.choice([0, 32, 10**9]))
+    if spec:
+        coord._prefetch = lambda: _scan_from_pos(coord)
+    calls = [rng.choice(units) for _ in range(rng.randint(5, 120))]
+    for _ in range(3):
+        coord.start_pass((True, True))
+        for u in calls:
+            coord.before_forward([u])
+            coord.after_forward([u])
+            if rng.random() < 0.1:          # a gradient-complete release out of order
+                coord.grads_done(rng.choice(units))
+        coord.end_backward()
+        events.append(("prefetched", coord.prefetched))
+    return events
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_resumed_prefetch_scan_matches_a_scan_from_the_current_request(seed):
+    assert _drive(seed, spec=False) == _drive(seed, spec=True)

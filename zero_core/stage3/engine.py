@@ -32,7 +32,7 @@ from zero_core.config.schema import torch_dtype
 from zero_core.errors import ConfigError
 from zero_core.stage0to2.engine import ZeroEngine
 from zero_core.model_sync import broadcast_buffers, check_parameters_match
-from zero_core.placement import move_module, move_parameter, set_data
+from zero_core.placement import move_module, move_parameter
 from zero_core.stage3 import partitioned_params as pp
 from zero_core.stage3.buffers import OffloadedStage3GroupBuffers, Stage3GroupBuffers
 from zero_core.stage3.coordinator import ParamCoordinator
@@ -134,9 +134,8 @@ class Stage3Engine(ZeroEngine):
             meta = pp.mark_partitioned(p, name)
             meta.name, meta.unit, meta.offset, meta.dtype = name, u, off, dtype
             meta.own_part = None
-            meta.available = True
-            set_data(p, torch.empty(0, dtype=dtype, device=self.device))
-            meta.available = False
+            meta.available = True   # its own values (or Init's gathered ones) until here
+            pp.release(p, dtype=dtype, device=self.device)
         return flat
 
     def _cast_model_buffers(self, model) -> None:

@@ -67,6 +67,9 @@ class UnitGatherer:
         self.persistent_numel = 0
         self.gathers = 0
         self.live_storage: dict[int, FetchUnit] = {}
+        # indices of units released since the coordinator's last prefetch scan
+        # (coordinator._prefetch); a set, so it stays bounded when nobody scans
+        self.released_since_scan: set[int] = set()
 
     def _count(self, u: FetchUnit, sign: int) -> None:
         if u.persistent:
@@ -140,6 +143,7 @@ class UnitGatherer:
             self.live_storage.pop(u.full.untyped_storage().data_ptr(), None)
         u.mark_released()
         self._count(u, -1)
+        self.released_since_scan.add(u.index)
 
     def write_back(self, u: FetchUnit) -> None:
         """After the gathered values of *u* were modified (identically on every rank):

@@ -91,15 +91,26 @@ class ExecutionTrace:
             return []
         return self.recorded[self.pos:self.pos + LOOKAHEAD]
 
-    def reuse_distance(self, unit: int) -> int | None:
-        """Elements requested between now and *unit*'s next recorded use; None if it is
-        not used again in this pass (or the pass does not follow a recording)."""
+    def lookahead_end(self) -> int:
+        """Where the prefetcher's window ends: pos + LOOKAHEAD, at most the recording's
+        length (pos when the pass does not follow a recording)."""
+        if not self.following:
+            return self.pos
+        return min(self.pos + LOOKAHEAD, len(self.recorded))
+
+    def next_use(self, unit: int) -> int | None:
+        """The recorded position of *unit*'s next request (>= pos); None if it is not
+        requested again in this pass (or the pass does not follow a recording)."""
         if not self.following:
             return None
         where = self._positions.get(unit)
         if not where:
             return None
         i = bisect.bisect_left(where, self.pos)
-        if i == len(where):
-            return None
-        return self._cum[where[i]] - self._cum[self.pos]
+        return where[i] if i < len(where) else None
+
+    def reuse_distance(self, unit: int) -> int | None:
+        """Elements requested between now and *unit*'s next recorded use; None if it is
+        not used again in this pass (or the pass does not follow a recording)."""
+        at = self.next_use(unit)
+        return None if at is None else self._cum[at] - self._cum[self.pos]
