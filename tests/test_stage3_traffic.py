@@ -1,0 +1,71 @@
+"""Plain ZeRO-3's communication per optimizer step, by the ledger, against the formula
+(issue 17 §2), on real ranks.
+
+Per step and rank, with b bytes per element (the compute dtype), N ranks, Ψ_g the elements
+of parameters gathered on use and Ψ_p those of persistent parameters (fewer elements
+than stage3_param_persistence_threshold), Ψ = Ψ_g + Ψ_p all trainable:
+
+* all-gather:     (k Ψ_g − Ψ_last + Ψ_p) · b · (N-1)/N. With stage3_max_reuse_distance 0,
+  k = 2 (forward, and again in backward) except for the unit used last in forward, Ψ_last:
+  its next use is backward's first request, 0 elements away, so it stays gathered. When
+  the whole model is within the reuse distance and the live window, k = 1 and Ψ_last = 0
+  (kept from forward to backward). Persistent parameters are gathered once per step,
+  after the step changed them;
+* reduce-scatter: Ψ · b · (N-1)/N (gloo and MPI carry it as an all-to-all);
+* the step's one all-reduce: 3 float64 (gradient norm and the two sample counts).
+
+So zero_core.memory.comm_bytes_per_step's 3Ψ elements is the bound, reached but for
+Ψ_last. Equality is exact: the model's units carry no padding (the test checks that
+precondition), and a gather issued but not used — a prefetch that was discarded, a unit
+re-gathered while still gathered — would add a whole unit's bytes.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from zero_core.memory import comm_bytes_per_step
+from zero_core.testing import mpirun_path, run_ranks
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "stage3_traffic.py")
+BYTES = {"fp32": 4, "bf16": 2}
+GATHERS_PER_STEP = {"regather-fp32": 2, "regather-bf16": 2, "keep-fp32": 1,
+                    "persistent-norms-fp32": 2, "all-persistent-bf16": 2}
+
+pytestmark = pytest.mark.multirank
+
+WHERE = [pytest.param(("torchrun", 2, "gloo"), id="gloo-2"),
+         pytest.param(("mpirun", 4, "mpi"), id="mpi-4",
+                      marks=pytest.mark.skipif(mpirun_path() is None,
+                                               reason="mpirun not installed"))]
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_stage3_step_sends_exactly_the_formula(where):
+    launcher, nprocs, comm = where
+    results = run_ranks(WORKER, nprocs, launcher, env={"ZERO_CORE_COMM": comm}, timeout=300)
+    for res in results:
+        for name, r in res.report.items():
+            n = r["world_size"]
+            assert n == nprocs
+            # the precondition of an exact count: no unit is padded; and one unit per block
+            assert r["unit_padded_numel"] == r["unit_numel"] == r["trainable_elements"], r
+            assert r["units"] - r["persistent_units"] == (4 if r["gathered_elements"] else 0), r
+            precision = name.rsplit("-", 1)[1]
+            b, share = BYTES[precision], (n - 1) / n
+            k = GATHERS_PER_STEP[name]
+            ops = r["comm"]["ops"]
+            gathered = sum(ops[o]["sent_bytes"] for o in ops if o.startswith("all_gather"))
+            reduced = sum(ops[o]["sent_bytes"] for o in ("reduce_scatter", "all_to_all_single")
+                          if o in ops)
+            last = r["last_block_elements"] if k == 2 else 0
+            want = (k * r["gathered_elements"] - last + r["persistent_elements"]) * b * share
+            assert gathered == want, (name, ops)
+            assert reduced == r["trainable_elements"] * b * share, (name, ops)
+            assert ops["all_reduce"]["payload_bytes"] == 3 * 8, (name, ops)
+            assert set(ops) <= {"all_gather_into", "reduce_scatter", "all_to_all_single",
+                                "all_reduce"}, (name, ops)
+            if k == 2 and r["persistent_elements"] == 0:
+                bound = comm_bytes_per_step(3, r["trainable_elements"], n, precision)
+                assert gathered + reduced == bound - last * b * share, name
