@@ -101,8 +101,24 @@ class Faults:
             self.fired += 1
             if self.rule["error"] == "EACCES":
                 raise OSError(errno.EACCES, os.strerror(errno.EACCES), path)
-            shutil.rmtree(os.path.dirname(path))  # then the OS answers ENOENT itself
+            remove_dir(os.path.dirname(path))  # then the OS answers ENOENT itself
         return self._open(path, flags, mode, dir_fd=dir_fd)
+
+
+def remove_dir(path: str, tries: int = 200) -> None:
+    """rmtree *path*, again while another rank is creating its own file in it (rmtree
+    then meets a directory that is not empty any more: ENOTEMPTY)."""
+    for _ in range(tries):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.ENOTEMPTY:
+                raise
+            time.sleep(0.01)
+    raise RuntimeError(f"could not remove {path}: other ranks kept writing into it")
 
 
 def free_bytes(path: str) -> int:
