@@ -117,6 +117,36 @@ def test_model_states_equal_the_ledger_at_two_ranks():
                 assert predicted[cat] == got["ledger"][cat], (got["stage"], cat)
 
 
+@pytest.mark.multirank
+def test_stage_0_to_2_buffers_equal_the_ledger_after_training():
+    """The pools' steady state (plan/memory.py's buffer model) against the ledger's
+    communication buffers of engines that trained two steps, several buckets each."""
+    cases = [[s, p] for s in (0, 1, 2) for p in ("fp32", "bf16")]
+    bucket = 4000
+    results = run_ranks(WORKER, 2, "torchrun",
+                        args=[json.dumps({"overrides": ODD, "cases": cases, "steps": 2,
+                                          "zero": {"reduce_bucket_size": bucket}})],
+                        env={"ZERO_CORE_COMM": "gloo"}, timeout=180)
+    sizes = plan_memory.default_sizes()
+    sizes = plan_memory.ZeroSizes(bucket, sizes.prefetch_bucket_size,
+                                  sizes.persistence_threshold, sizes.max_live_parameters)
+    for res in results:
+        for got in res.report:
+            lay = plan_memory.layout(odd_spec(), got["stage"], 2, got["precision"], sizes)
+            assert lay.padded > 2 * lay.max_bucket   # several buckets
+            bufs = plan_memory.buffer_bytes(lay, got["stage"], got["precision"], sizes, 2)
+            ledger = got["ledger"]["communication_buffers"]
+            if got["stage"] < 2:
+                assert bufs["total"] == ledger, (got, bufs)
+                continue
+            # stage 2: the planner counts two gradient buckets open at once; gradients that
+            # arrive out of bucket order keep more open (3 here), never more than all
+            one = bufs["gradient_buckets"] // 2
+            extra = ledger - bufs["total"]
+            assert extra % one == 0 and 0 <= extra // one <= lay.padded // lay.max_bucket - 2, \
+                (got, bufs)
+
+
 def test_the_zero_papers_figure_1():
     # Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, N = 64, mixed-precision Adam (K = 12):
     # 120 GB baseline, 31.4 GB P_os, 16.6 GB P_os+g, 1.88 GB P_os+g+p per GPU
@@ -201,7 +231,11 @@ def test_measured_rates_are_positive_and_build_this_machine(tmp_path, monkeypatc
              "disk_bandwidth": measure.disk_bandwidth(str(tmp_path), mb=4),
              "intra_bandwidth": 1e9}
     assert all(v > 0 for v in rates.values())
+    with pytest.raises(model.PlanError, match="train_flops"):
+        clusters.this_machine(rates)   # a measurement saved before the training rate
+    rates.update(train_flops=rates["flops"] / 2, optimizer_rate=1e8)
     machine = clusters.this_machine(rates)
+    assert machine.flops == rates["train_flops"] and machine.optimizer_rate == 1e8
     assert machine.shared_host_device and machine.ranks == 2
     path = tmp_path / "rates.json"
     path.write_text(json.dumps(rates))

@@ -368,7 +368,9 @@ def _plan_model(args):
     return model.from_dims(args.layers, args.hidden, args.vocab, args.seq, heads=args.heads)
 
 
-def _plan_cluster(args):
+def _plan_cluster(args, spec):
+    """The cluster of the plan, and the rates measured for it (timing a block shaped like
+    *spec*'s with --measure)."""
     from zero_core.plan import cluster as clusters, measure
     measured = None
     if args.measurement:
@@ -379,7 +381,8 @@ def _plan_cluster(args):
             raise clusters.PlanError(f"cannot read the measurement {args.measurement}: {exc}; "
                                      f"make one with --measure --save-measurement FILE")
     if args.measure:
-        measured = measure.measure(ranks=args.ranks_per_node or args.ranks or 2)
+        measured = measure.measure(ranks=args.ranks_per_node or args.ranks or 2,
+                                   block=(spec.hidden, spec.n_head, spec.seq, args.micro_batch))
         if args.save_measurement:
             with open(args.save_measurement, "w") as fh:
                 json.dump(measured, fh, indent=2)
@@ -401,7 +404,7 @@ def _cmd_plan(args) -> int:
     from zero_core.plan import planner, render
     try:
         spec = _plan_model(args)
-        cluster, measured = _plan_cluster(args)
+        cluster, measured = _plan_cluster(args, spec)
         candidates = planner.plan(spec, cluster, args.micro_batch, args.precision,
                                   args.checkpointing, args.flash_attention)
         scale = [int(n) for n in args.scale.split(",")] if args.scale else []

@@ -13,9 +13,13 @@ Presets:
   directions), PCIe 4 x16 host↔device 25 GB/s, 300 TFLOP/s of bf16 (dense peak 312 on A100;
   ~50 % of peak is the usual achieved figure for large transformer training, so the
   rate used is ``flops × efficiency`` = 150 TFLOP/s), compute/communication overlap 0.5;
+  the optimizer step: a fused Adam on the GPU reads and writes ~28 bytes per element at
+  ~2.8 TB/s, 1e11 elements/s; offloaded to the host, 2.5e8 elements/s per rank (a node's
+  ~2e9 of a vectorised CPU Adam shared by 8 ranks);
 - ``this-machine``: this host's memory and disk from the OS, ranks = its CPUs; the rates
-  come from ``zero-core plan --measure`` (``measure.py``), device memory is host memory
-  (a CPU "device"), shared by the ranks of the node.
+  come from ``zero-core plan --measure`` (``measure.py``): ``flops`` is the measured
+  training rate of a GPT block (``train_flops``), the optimizer rates the measured Adam
+  step; device memory is host memory (a CPU "device"), shared by the ranks of the node.
 """
 from __future__ import annotations
 
@@ -47,6 +51,8 @@ class Cluster:
     efficiency: float = 1.0       # fraction of *flops* a training step achieves
     overlap: float = 0.0          # fraction of communication hidden behind compute
     shared_host_device: bool = False  # device memory *is* host memory (CPU ranks)
+    optimizer_rate: float = 1e11      # elements/s per rank, optimizer step on the device
+    host_optimizer_rate: float = 2.5e8  # elements/s per rank, optimizer step on the host
 
     def __post_init__(self):
         if self.ranks < 1 or self.ranks_per_node < 1:
@@ -57,7 +63,8 @@ class Cluster:
                             f"divide ranks={self.ranks}; every node must hold the same number "
                             f"of ranks (e.g. --ranks {self.ranks_per_node * -(-self.ranks // self.ranks_per_node)})")
         for key in ("device_memory", "host_memory", "intra_bandwidth", "inter_bandwidth",
-                    "host_device_bandwidth", "disk_bandwidth", "flops"):
+                    "host_device_bandwidth", "disk_bandwidth", "flops", "optimizer_rate",
+                    "host_optimizer_rate"):
             if not getattr(self, key) > 0:
                 raise PlanError(f"cluster {self.name}: {key}={getattr(self, key)} must be "
                                 f"positive (measure it with --measure or give it explicitly)")
@@ -102,6 +109,10 @@ def this_machine(measured: dict | None, ranks: int | None = None,
         raise PlanError("the 'this-machine' cluster needs measured rates: run "
                         "`zero-core plan --measure` (about 30 s; --save-measurement FILE keeps "
                         "them for --measurement FILE), or pick --cluster gpu-cluster")
+    if "train_flops" not in measured or "optimizer_rate" not in measured:
+        raise PlanError("the measured rates predate the training-rate measurement (no "
+                        "'train_flops' / 'optimizer_rate'): measure again with "
+                        "`zero-core plan --measure --save-measurement FILE`")
     facts = host_facts()
     ranks = ranks or measured.get("ranks") or 2
     rpn = ranks_per_node or ranks
@@ -112,8 +123,10 @@ def this_machine(measured: dict | None, ranks: int | None = None,
                    # assumes the same rate as between local ranks until then
                    inter_bandwidth=measured.get("inter_bandwidth", measured["intra_bandwidth"]),
                    host_device_bandwidth=measured["memcpy_bandwidth"],
-                   disk_bandwidth=measured["disk_bandwidth"], flops=measured["flops"],
-                   efficiency=1.0, overlap=0.0, shared_host_device=True)
+                   disk_bandwidth=measured["disk_bandwidth"], flops=measured["train_flops"],
+                   efficiency=1.0, overlap=0.0, shared_host_device=True,
+                   optimizer_rate=measured["optimizer_rate"],
+                   host_optimizer_rate=measured["optimizer_rate"])
 
 
 PRESETS = ("this-machine", "gpu-cluster")

@@ -7,7 +7,15 @@
   cache (``posix_fadvise(DONTNEED)``), then read back; bandwidth = bytes / (write + read)
   time, both directions being what an nvme offload step does;
 - collectives: 2 local ranks over gloo (``run_ranks`` + ``measure_worker.py``), all_reduce
-  and all_gather of 4 MB; bandwidth = bytes the ledger counts as sent / seconds.
+  and all_gather of 4 MB; bandwidth = bytes the ledger counts as sent / seconds;
+- training rate (``train_flops``): in the same ranks, all at once, forward + backward of a
+  GPT block shaped like the planned model's (hidden size, heads, sequence, micro-batch;
+  without a model DEFAULT_BLOCK), 6 x parameters x tokens FLOP per step. What the
+  step-time model divides by: on the development machine it was 0.6-0.8 of the 1024^2
+  matmul's rate (``flops``), which had predicted steps 1.5x too short
+  (ci/validate_plan.py);
+- optimizer rate (``optimizer_rate``): the same ranks' fused Adam step (cpu kernel set)
+  on 4M-element flat buffers, elements per second.
 """
 from __future__ import annotations
 
@@ -68,20 +76,33 @@ def disk_bandwidth(directory: str | None = None, mb: int = 256) -> float:
     return 2 * mb * 2 ** 20 / (written + read)
 
 
-def collective_bandwidth(timeout: float = 60.0) -> dict:
-    """Bytes/s one rank sends in all_reduce and all_gather between 2 local gloo ranks."""
+RANK_RATES = ("all_reduce", "all_gather", "train_flops", "optimizer_rate")
+#: the GPT block timed for ``train_flops`` when no model is given: hidden, heads, sequence,
+#: sequences
+DEFAULT_BLOCK = (768, 12, 128, 4)
+
+
+def rank_rates(ranks: int = 2, block: tuple = DEFAULT_BLOCK, timeout: float = 120.0) -> dict:
+    """The rates measure_worker.py times on *ranks* local gloo ranks (the slowest rank's):
+    bytes/s sent in all_reduce and all_gather, the training FLOP/s of a GPT *block*
+    (hidden, heads, sequence, sequences) and Adam's elements/s."""
     from zero_core.testing import run_ranks
-    results = run_ranks(str(WORKER), 2, "torchrun", env={"ZERO_CORE_COMM": "gloo"},
-                        timeout=timeout)
+    results = run_ranks(str(WORKER), max(2, ranks), "torchrun", args=list(block),
+                        env={"ZERO_CORE_COMM": "gloo"}, timeout=timeout)
     reports = [r.report for r in results]
-    return {op: min(rep[op] for rep in reports) for op in ("all_reduce", "all_gather")}
+    return {key: min(rep[key] for rep in reports) for key in RANK_RATES}
 
 
-def measure(ranks: int = 2, disk_dir: str | None = None) -> dict:
-    """Every rate of the module docstring, and how long measuring took."""
+def measure(ranks: int = 2, disk_dir: str | None = None, block: tuple | None = None) -> dict:
+    """Every rate of the module docstring, and how long measuring took; *block*: the
+    planned model's (hidden, heads, sequence, micro-batch) for the training rate."""
     start = time.perf_counter()
-    coll = collective_bandwidth()
-    out = {"ranks": ranks, "flops": matmul_flops(ranks),
+    block = tuple(block or DEFAULT_BLOCK)
+    rates = rank_rates(ranks, block)
+    coll = {op: rates[op] for op in ("all_reduce", "all_gather")}
+    out = {"ranks": ranks, "flops": matmul_flops(ranks), "train_flops": rates["train_flops"],
+           "train_block": dict(zip(("hidden", "heads", "seq", "micro_batch"), block)),
+           "optimizer_rate": rates["optimizer_rate"],
            "memcpy_bandwidth": memcpy_bandwidth(), "disk_bandwidth": disk_bandwidth(disk_dir),
            "intra_bandwidth": min(coll.values()), "collectives": coll}
     out["seconds"] = time.perf_counter() - start

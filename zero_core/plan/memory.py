@@ -26,10 +26,26 @@ checkpointing only each layer's input is kept, 2sbh per layer (16-bit), plus one
 full activations while it is recomputed. Both add the logits: s·b·V in the compute dtype
 and again in fp32 for the loss (``lm_loss`` upcasts).
 
-Buffers: stages 0–2 reduce inside their flat buffers; staging for the reduction is one
-fp32 bucket (``reduce_bucket_size`` elements). Stage 3 adds the gathered parameters: the
-persistent unit (kept gathered) and the live window, bounded by the largest unit plus one
-prefetch bucket and by ``stage3_max_live_parameters``.
+Buffers, in the engine's pools at steady state (B = the largest gradient bucket,
+``reduce_bucket_size`` at most; b = bytes of the compute dtype; the counts were read off the
+pools of 2-rank runs of the bench GPT, whose ledger they then matched exactly):
+
+- stage 0 reduces inside its flat gradient buffer: nothing, except under bf16/fp16 one fp32
+  copy of a bucket for the optimizer kernels (4B);
+- stage 1: one reduce-scatter output and one all-gather send buffer of B/N each (2bB/N),
+  plus the fp32 bucket slice under bf16/fp16 (4B/N);
+- stage 2: two gradient buckets (2bB), the send buffer (bB/N), the fp32 slice (4B/N under
+  bf16/fp16). The pool only grows while every buffer belongs to a bucket still filling, so
+  the count is how many buckets receive gradients at once: 2 on the bench GPT (a
+  parameter straddling two buckets), 3 on the tiny one with 4,000-element buckets
+  (tests/test_plan.py) -- a lower bound where gradients arrive far out of bucket order;
+- stage 3: one fp32 bucket for the reduction, plus the gathered parameters: the persistent
+  unit (kept gathered) and the live window, bounded by the largest unit plus one prefetch
+  bucket and by ``stage3_max_live_parameters``.
+
+Offloaded optimizer (``placement``): the host store holds the fp32 master slice (the
+parameters' own fp32 values at fp32: a copy) and the states, plus one fp32 gradient buffer
+of a sub-group (``sub_group_size``, the whole partition by default).
 """
 from __future__ import annotations
 
@@ -69,6 +85,7 @@ class Layout:
     num_parameters: int
     padded: int
     units: tuple[tuple[int, bool], ...] = ()
+    max_bucket: int = 0   # stages 0-2: the largest gradient bucket's elements
 
     @property
     def padding(self) -> int:
@@ -86,7 +103,7 @@ def layout(spec: ModelSpec, stage: int, world_size: int, precision: str,
     if stage < 3:
         lay = plan_group_layout([p.numel() for p in reversed(params)], sizes.reduce_bucket_size,
                                 world_size, align)
-        return Layout(psi, lay.padded_numel)
+        return Layout(psi, lay.padded_numel, max_bucket=max(lay.bucket_sizes, default=0))
     target = coalesce_numel(sizes.prefetch_bucket_size, sizes.reduce_bucket_size)
     units, _ = plan_units(model, {id(p): 0 for p in params}, sizes.persistence_threshold, target)
     lay = unit_layout(units, world_size, align)
@@ -119,9 +136,19 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, precision: str,
             + ("" if scale == 1 else f" ×{scale:g} ({precision})") + " + sbV(bytes + 4)"}
 
 
-def buffer_bytes(lay: Layout, stage: int, precision: str, sizes: ZeroSizes) -> dict:
+def buffer_bytes(lay: Layout, stage: int, precision: str, sizes: ZeroSizes,
+                 world_size: int = 1) -> dict:
     """Working buffers per rank (module docstring)."""
     b = PRECISION_BYTES[precision]
+    mixed = precision != "fp32"
+    if stage < 3:
+        big, part = lay.max_bucket, lay.max_bucket // world_size
+        out = {"gradient_buckets": 2 * b * big if stage == 2 else 0,
+               "reduce_scatter_output": b * part if stage == 1 else 0,
+               "gather_send": b * part if stage else 0,
+               "fp32_gradient": (4 * (big if stage == 0 else part)) if mixed else 0}
+        out["total"] = sum(out.values())
+        return out
     reduce = 4 * min(sizes.reduce_bucket_size, lay.padded)
     out = {"reduce_bucket": reduce, "persistent_parameters": 0, "live_parameters": 0}
     if stage == 3:
@@ -137,9 +164,12 @@ def buffer_bytes(lay: Layout, stage: int, precision: str, sizes: ZeroSizes) -> d
 OFFLOAD = ("none", "cpu", "nvme")
 
 
-def placement(states: dict, stage: int, offload: str) -> dict:
+def placement(states: dict, stage: int, offload: str, partition_elements: float = 0.0,
+              precision: str = "bf16", sub_group_size: int = 1_000_000_000) -> dict:
     """Where the model states live: bytes per rank on the device, in host memory and on
-    disk, for *offload* none / cpu / nvme (optimizer; at stage 3 the parameters too)."""
+    disk, for *offload* none / cpu / nvme (optimizer; at stage 3 the parameters too).
+    *partition_elements*: this rank's share of the parameters, for what the offloaded
+    optimizer keeps in host memory besides the moved states (module docstring)."""
     if offload not in OFFLOAD:
         raise PlanError(f"offload {offload!r}: use one of {', '.join(OFFLOAD)}")
     if offload != "none" and stage < 1:
@@ -147,8 +177,15 @@ def placement(states: dict, stage: int, offload: str) -> dict:
     moved = ["master_weights", "optimizer_states"] + (["parameters"] if stage == 3 else [])
     moved = moved if offload != "none" else []
     off = sum(states[c] for c in moved)
+    host_extra = 0.0
+    if offload != "none":
+        # the fp32 gradient buffer of one sub-group, and at fp32 the master copy (at
+        # bf16/fp16 the master is already among the moved states)
+        host_extra = 4 * min(partition_elements, sub_group_size)
+        if precision == "fp32":
+            host_extra += 4 * partition_elements
     return {"device": states["model_states"] - off,
-            "host": off if offload == "cpu" else 0.0,
+            "host": (off if offload == "cpu" else 0.0) + host_extra,
             "disk": off if offload == "nvme" else 0.0,
             "moved": moved}
 

@@ -67,11 +67,11 @@ def evaluate(spec: ModelSpec, cluster: Cluster, micro_batch: int, precision: str
     n = cluster.ranks
     lay = layout or plan_memory.layout(spec, stage, n, precision, sizes)
     states = plan_memory.model_states(stage, lay.padded, n, precision)
-    where = plan_memory.placement(states, stage, offload)
+    where = plan_memory.placement(states, stage, offload, lay.padded / n, precision)
     hpz = plan_memory.hpz_bytes(lay, precision, cluster.ranks_per_node) if zeropp else 0
     acts = plan_memory.activation_bytes(spec, micro_batch, precision, checkpointing,
                                         flash_attention)
-    bufs = plan_memory.buffer_bytes(lay, stage, precision, sizes)
+    bufs = plan_memory.buffer_bytes(lay, stage, precision, sizes, n)
     device = where["device"] + hpz + acts["total"] + bufs["total"]
     host_node = where["host"] * cluster.ranks_per_node
     if cluster.shared_host_device:
@@ -88,7 +88,9 @@ def evaluate(spec: ModelSpec, cluster: Cluster, micro_batch: int, precision: str
                                              zeropp)
     moved = plan_comm.offload_bytes(lay, states, n, precision, offload)
     tokens = micro_batch * spec.seq
-    times = step_time(lay.num_parameters, tokens, cluster, collectives, moved, checkpointing)
+    stepped = lay.padded if stage == 0 else lay.padded / n
+    times = step_time(lay.num_parameters, tokens, cluster, collectives, moved, checkpointing,
+                      stepped, optimizer_on_host=offload != "none")
     memory = {"model_states": states, "padding_elements": lay.padding,
               "device_model_states": where["device"], "host": where["host"],
               "disk": where["disk"], "offloaded": where["moved"], "hpz_secondary": hpz,

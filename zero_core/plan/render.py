@@ -60,7 +60,8 @@ def as_text(spec: ModelSpec, cluster: Cluster, candidates: list[Candidate], micr
         lines.append(f"recommended: {best.label} (predicted {_seconds(best.time['total'])} per "
                      f"step: compute {_seconds(best.time['compute'])}, communication "
                      f"{_seconds(best.time['communication'])}, offload "
-                     f"{_seconds(best.time['offload'])})")
+                     f"{_seconds(best.time['offload'])}, optimizer "
+                     f"{_seconds(best.time['optimizer'])})")
         lines.append(json.dumps(ds_config(best, micro_batch, precision, cluster.ranks_per_node),
                                 indent=2))
         if best.offload == "nvme":

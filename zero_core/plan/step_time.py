@@ -7,12 +7,15 @@
     comm     = intra bytes / intra_bandwidth + inter bytes / inter_bandwidth
     offload  = host↔device bytes / host_device_bandwidth
                + disk bytes · ranks per node / disk_bandwidth (the node's disk is shared)
-    step     = compute + (1 - overlap) · comm + offload
+    optimizer = elements this rank steps (Ψ at stage 0, its partition Ψ/N above)
+               / optimizer_rate (host_optimizer_rate when the optimizer is offloaded)
+    step     = compute + (1 - overlap) · comm + offload + optimizer
 
 *overlap* is the cluster's stated fraction of communication hidden behind compute (0 for
-CPU ranks, which share their cores with the collectives). The attention's s² FLOPs, the
-optimizer step itself and collective latency are not modelled: this is a bandwidth and
-FLOP-rate model, right for models large enough that those terms are small.
+CPU ranks, which share their cores with the collectives). The attention's s² FLOPs and
+collective latency are not modelled apart: the measured training rate (``--measure``)
+includes what a transformer block spends beyond its 6Ψ FLOPs, and latency is small for
+models large enough to need ZeRO.
 """
 from __future__ import annotations
 
@@ -20,14 +23,18 @@ from zero_core.plan.cluster import Cluster
 
 
 def step_time(num_parameters: int, tokens: int, cluster: Cluster, comm: dict, offload: dict,
-              checkpointing: bool = False) -> dict:
-    """Seconds per step, by part (module docstring)."""
+              checkpointing: bool = False, stepped_elements: float = 0.0,
+              optimizer_on_host: bool = False) -> dict:
+    """Seconds per step, by part (module docstring); *stepped_elements*: what this rank's
+    optimizer updates, on the host when *optimizer_on_host*."""
     flop_factor = 8 if checkpointing else 6
     compute = flop_factor * num_parameters * tokens / (cluster.flops * cluster.efficiency)
     communication = (comm["intra"] / cluster.intra_bandwidth
                      + comm["inter"] / cluster.inter_bandwidth)
     moved = (offload["host_device"] / cluster.host_device_bandwidth
              + offload["disk"] * cluster.ranks_per_node / cluster.disk_bandwidth)
-    total = compute + (1 - cluster.overlap) * communication + moved
+    rate = cluster.host_optimizer_rate if optimizer_on_host else cluster.optimizer_rate
+    optimizer = stepped_elements / rate
+    total = compute + (1 - cluster.overlap) * communication + moved + optimizer
     return {"compute": compute, "communication": communication, "offload": moved,
-            "total": total}
+            "optimizer": optimizer, "total": total}
