@@ -50,7 +50,8 @@ VARIANTS = ("stage3", "stage3-gloo", "stage3-zeropp", "deepspeed-3")
 
 def engine_config(variant: str, a, ranks_per_node: int) -> dict:
     zero = {"stage": 3, "stage3_max_reuse_distance": a.max_reuse,
-            "stage3_param_persistence_threshold": a.persistence}
+            "stage3_param_persistence_threshold": a.persistence,
+            "stage3_max_live_parameters": a.max_live}
     if variant == "stage3-zeropp":
         zero.update(zero_quantized_weights=True, zero_hpz_partition_size=ranks_per_node,
                     zero_quantized_gradients=True)
@@ -71,7 +72,8 @@ class DeepSpeedRun:
         config = {"train_micro_batch_size_per_gpu": a.micro, "gradient_accumulation_steps": 1,
                   "bf16": {"enabled": True},
                   "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": a.max_reuse,
-                                        "stage3_param_persistence_threshold": a.persistence},
+                                        "stage3_param_persistence_threshold": a.persistence,
+                                        "stage3_max_live_parameters": a.max_live},
                   # torch's AdamW, as in the other benchmarks (DeepSpeed's needs a C++ build)
                   "zero_allow_untested_optimizer": True,
                   "gradient_clipping": 0.0, "steps_per_print": 10**9}
@@ -105,6 +107,9 @@ def main() -> None:
     p.add_argument("--max-reuse", type=int, default=0, help="stage3_max_reuse_distance")
     p.add_argument("--persistence", type=int, default=100_000,
                    help="stage3_param_persistence_threshold")
+    p.add_argument("--max-live", type=int, default=10**9,
+                   help="stage3_max_live_parameters (elements gathered at once; below the "
+                        "model's size both engines must release and gather again)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     a = p.parse_args()
