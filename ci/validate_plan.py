@@ -7,7 +7,8 @@
 For each configuration it asks the planner (``zero_core.plan.planner.evaluate`` on the
 ``this-machine`` cluster, rates timed first by ``zero-core plan --measure``'s code) for
 the memory per rank and the step time, then trains the example GPT with that configuration
-on real ranks (``ci/bench_workers/plan_check.py``) and measures both: the peak resident
+on real ranks (``ci/bench_workers/plan_check.py``), with the config the planner itself
+prints for that candidate (``planner.ds_config``), and measures both: the peak resident
 memory per rank during training above the process's size before the model was built (the
 CPU "device" is host memory), and the median step time. The table puts them side by side
 with the ratio measured / predicted; the goals are ±15 % (memory) and ±30 % (time).
@@ -45,20 +46,22 @@ def parse_config(name: str) -> tuple[int, str, str]:
     return stage, precision, offload
 
 
-def run_config(args, stage, precision, offload) -> dict:
+def run_config(args, config: dict) -> dict:
+    """Train with *config* (the planner's own DeepSpeed-style config of the candidate) on
+    real ranks; nvme swap files go to a temporary directory removed afterwards."""
     from zero_core.testing import run_ranks
-    wargs = ["--preset", args.preset, "--micro", args.micro, "--stage", stage,
-             "--precision", precision, "--offload", offload, "--steps", args.steps,
-             "--warmup", args.warmup]
-    scratch = None
-    if offload == "nvme":
-        scratch = tempfile.mkdtemp(prefix="zero_core_plan_nvme_")
-        wargs += ["--nvme-path", scratch]
     env = {"ZERO_CORE_COMM": COMM[args.launcher],
            # freed large blocks go back to the OS, so the resident peak is what was live
            "MALLOC_MMAP_THRESHOLD_": "1048576"}
-    results = run_ranks(WORKER, args.ranks, args.launcher, args=wargs, env=env,
-                        timeout=args.timeout)
+    with tempfile.TemporaryDirectory(prefix="zero_core_plan_nvme_") as scratch:
+        for key in ("offload_optimizer", "offload_param"):
+            where = config["zero_optimization"].get(key)
+            if where and where["device"] == "nvme":
+                where["nvme_path"] = scratch
+        wargs = ["--preset", args.preset, "--config", json.dumps(config),
+                 "--steps", args.steps, "--warmup", args.warmup]
+        results = run_ranks(WORKER, args.ranks, args.launcher, args=wargs, env=env,
+                            timeout=args.timeout)
     reps = [r.report for r in results]
     return {"ranks": reps,
             "memory_bytes": max(r["peak_bytes"] - r["baseline_bytes"] for r in reps),
@@ -86,18 +89,16 @@ def main(argv=None) -> int:
     from zero_core.plan.cluster import this_machine
     from zero_core.plan.measure import measure
     from zero_core.plan.model import from_preset
-    from zero_core.plan.planner import evaluate
+    from zero_core.plan.planner import ds_config, evaluate
 
     load_before = os.getloadavg()
+    spec = from_preset(args.preset)
     if args.measurement:
         with open(args.measurement) as fh:
             rates = json.load(fh)
     else:
         print("[validate_plan] measuring this machine's rates (zero-core plan --measure) ...",
               file=sys.stderr, flush=True)
-        rates = None
-    spec = from_preset(args.preset)
-    if not args.measurement:
         rates = measure(args.ranks, block=(spec.hidden, spec.n_head, spec.seq, args.micro))
     cluster = this_machine(rates, args.ranks)
     rows = []
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
         print(f"[validate_plan] {name}: training {args.warmup} + {args.steps} steps on "
               f"{args.ranks} ranks ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        got = run_config(args, stage, precision, offload)
+        got = run_config(args, ds_config(cand, args.micro, precision, cluster.ranks_per_node))
         mem = cand.memory
         rows.append({"config": name, "stage": stage, "precision": precision, "offload": offload,
                      "predicted_bytes": mem["device_total"] + mem["host"],

@@ -2,7 +2,7 @@
 report what `zero-core plan` predicts, measured: the peak of this process's resident memory
 during training above its size before the model existed, and the median step time.
 
-    python plan_check.py --preset bench --micro 4 --stage 3 --precision fp32 [--offload cpu]
+    python plan_check.py --preset bench --config '<the planner's DeepSpeed-style config>'
 
 Memory: the resident-set peak (VmHWM) is reset (``/proc/self/clear_refs``) after the
 engine is built, so the one-time peak of building the full model on every rank before
@@ -12,6 +12,7 @@ peak); the baseline is VmRSS right after the runtime started, before the model w
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -61,26 +62,13 @@ def warm_up_torch() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="bench")
-    p.add_argument("--micro", type=int, default=4)
-    p.add_argument("--stage", type=int, required=True)
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--offload", default="none", choices=("none", "cpu", "nvme"))
-    p.add_argument("--nvme-path", default=None)
+    p.add_argument("--config", required=True, help="the config, as JSON (planner.ds_config)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     a = p.parse_args()
 
-    zero = {"stage": a.stage}
-    if a.offload != "none":
-        where = {"device": a.offload, **({"nvme_path": a.nvme_path} if a.offload == "nvme" else {})}
-        zero["offload_optimizer"] = dict(where)
-        if a.stage == 3:
-            zero["offload_param"] = dict(where)
-    config = {"train_micro_batch_size_per_gpu": a.micro, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "zero_optimization": zero, "safety": {"launcher_notice": False}}
-    if a.precision == "bf16":
-        config["bf16"] = {"enabled": True}
+    config = dict(json.loads(a.config), safety={"launcher_notice": False})
+    micro = config["train_micro_batch_size_per_gpu"]
     zero_core.init_distributed()
     warm_up_torch()
     baseline_kib = status_kib("VmRSS")
@@ -89,7 +77,7 @@ def main() -> None:
     del model
     seq, vocab = engine.module.cfg.block_size, engine.module.cfg.vocab_size
     gen = torch.Generator().manual_seed(engine.global_rank)
-    batches = [torch.randint(0, vocab, (a.micro, seq + 1), generator=gen)
+    batches = [torch.randint(0, vocab, (micro, seq + 1), generator=gen)
                for _ in range(a.warmup + a.steps)]
     reset = reset_peak()
     times = []

@@ -33,9 +33,6 @@ def timed(comm, op) -> float:
     return (comm.ledger.snapshot()["sent_bytes"] - before) / elapsed
 
 
-launch = discover()
-topology = resolve_ranks_per_node(launch.world_size, launch.local_world_size)
-comm = registry.load().communicator_class(None)(launch, topology, timeout=comm_timeout())
 class _Block(torch.nn.Module):
     """A pre-LayerNorm GPT block: causal self-attention (scaled_dot_product_attention),
     then a 4x GELU MLP, each around a residual."""
@@ -56,7 +53,8 @@ class _Block(torch.nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
 
 
-def block_train_flops(hidden: int, heads: int, seq: int, batch: int, reps: int = 6) -> float:
+def block_train_flops(comm, hidden: int, heads: int, seq: int, batch: int,
+                      reps: int = 6) -> float:
     """FLOP/s of a GPT block's forward + backward, counted as 6 x its parameters x tokens
     (the planner's count: attention's s^2 work, norms and activations are in the time but
     not in the FLOPs, as they are in a real step)."""
@@ -75,7 +73,7 @@ def block_train_flops(hidden: int, heads: int, seq: int, batch: int, reps: int =
     return 6 * params * batch * seq * reps / (time.perf_counter() - start)
 
 
-def adam_elements_per_s(elements: int = 2 ** 22, reps: int = 6) -> float:
+def adam_elements_per_s(comm, elements: int = 2 ** 22, reps: int = 6) -> float:
     """Elements/s of the cpu kernel set's fused Adam step on flat fp32 buffers."""
     from zero_core.accel_kernels import optim_cpu
     p, g, m, v = (torch.randn(elements) for _ in range(4))
@@ -89,11 +87,14 @@ def adam_elements_per_s(elements: int = 2 ** 22, reps: int = 6) -> float:
     return elements * reps / (time.perf_counter() - start)
 
 
+launch = discover()
+topology = resolve_ranks_per_node(launch.world_size, launch.local_world_size)
+comm = registry.load().communicator_class(None)(launch, topology, timeout=comm_timeout())
 x = torch.ones(ELEMENTS)
 out = torch.empty(ELEMENTS * comm.world_size)
 # the block's hidden size, heads, sequence length and sequences (measure.DEFAULT_BLOCK)
 hidden, heads, seq, batch = (int(v) for v in sys.argv[1:5])
 report({"all_reduce": timed(comm, lambda: comm.all_reduce(x)),
         "all_gather": timed(comm, lambda: comm.all_gather_into(out, x)),
-        "train_flops": block_train_flops(hidden, heads, seq, batch),
-        "optimizer_rate": adam_elements_per_s()})
+        "train_flops": block_train_flops(comm, hidden, heads, seq, batch),
+        "optimizer_rate": adam_elements_per_s(comm)})

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zero_core.config.schema import ZeroConfig
 from zero_core.memory import PRECISION_BYTES, model_state_breakdown
 from zero_core.partitioning.layout import alignment_for, plan_group_layout
 from zero_core.plan.model import ModelSpec, PlanError
@@ -149,14 +150,12 @@ def buffer_bytes(lay: Layout, stage: int, precision: str, sizes: ZeroSizes,
                "fp32_gradient": (4 * (big if stage == 0 else part)) if mixed else 0}
         out["total"] = sum(out.values())
         return out
-    reduce = 4 * min(sizes.reduce_bucket_size, lay.padded)
-    out = {"reduce_bucket": reduce, "persistent_parameters": 0, "live_parameters": 0}
-    if stage == 3:
-        persistent = sum(p for p, keep in lay.units if keep)
-        largest = max((p for p, keep in lay.units if not keep), default=0)
-        window = min(largest + sizes.prefetch_bucket_size, sizes.max_live_parameters,
-                     lay.padded - persistent)
-        out.update(persistent_parameters=b * persistent, live_parameters=b * max(window, 0))
+    persistent = sum(p for p, keep in lay.units if keep)
+    largest = max((p for p, keep in lay.units if not keep), default=0)
+    window = min(largest + sizes.prefetch_bucket_size, sizes.max_live_parameters,
+                 lay.padded - persistent)
+    out = {"reduce_bucket": 4 * min(sizes.reduce_bucket_size, lay.padded),
+           "persistent_parameters": b * persistent, "live_parameters": b * max(window, 0)}
     out["total"] = sum(out.values())
     return out
 
@@ -165,7 +164,8 @@ OFFLOAD = ("none", "cpu", "nvme")
 
 
 def placement(states: dict, stage: int, offload: str, partition_elements: float = 0.0,
-              precision: str = "bf16", sub_group_size: int = 1_000_000_000) -> dict:
+              precision: str = "bf16",
+              sub_group_size: int = ZeroConfig.sub_group_size) -> dict:
     """Where the model states live: bytes per rank on the device, in host memory and on
     disk, for *offload* none / cpu / nvme (optimizer; at stage 3 the parameters too).
     *partition_elements*: this rank's share of the parameters, for what the offloaded
