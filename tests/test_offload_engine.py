@@ -55,6 +55,9 @@ def _variants(stage, precision="fp32"):
 PLANS = {
     ("torchrun", 2): (_variants(1) + _variants(2) + _variants(3) + _variants(2, "bf16")
                       + _variants(3, "bf16")
+                      + [_train("s3-bf16m-none", 3, "bf16m"),
+                         _train("s3-bf16m-nvme-pnvme", 3, "bf16m", "nvme", "nvme"),
+                         _train("s3-bf16m-cpu-pcpu", 3, "bf16m", "cpu", "cpu")]
                       + [["resume", 2, "nvme", "none"], ["resume", 3, "nvme", "nvme"],
                          ["resume", 1, "cpu", "none"]]),
     ("mpirun", 2): _variants(1) + _variants(2) + _variants(3),
@@ -112,6 +115,10 @@ def test_offloaded_training_is_bit_identical_to_training_without_offload(key, tm
             assert params["device"] == "nvme" and params["bytes_read"] > 0
             assert params["read_ahead_hits"] > 0, params   # the disk was read ahead of use
             assert params["cached_bytes"] > 0              # max_in_cpu kept some in memory
+        if "bf16m" in name:   # built in bf16: the master came from the parameter store
+            assert run["master_from_store"] == [True, True], run["master_from_store"]
+        elif "-bf16-" in name and name.endswith(("pnvme", "pcpu")):   # built in fp32
+            assert not any(run["master_from_store"]), name
         checked += 1
     assert checked >= 2
     # ranks agree on the replicated result

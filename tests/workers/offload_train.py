@@ -60,21 +60,32 @@ def config(stage, precision, opt_device, param_device, scratch, world):
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
            "gradient_clipping": 0.05, "zero_optimization": zo,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "weight_decay": 0.1}}}
-    if precision == "bf16":
+    if precision in ("bf16", "bf16m"):
         cfg["bf16"] = {"enabled": True}
     return cfg
 
 
 def build(stage, precision, opt_device, param_device, scratch):
+    """*precision* ``bf16m``: bf16 training of a model whose values are bf16 numbers: the
+    runs without parameter offload hold them in fp32, the ones with it build the model in
+    bf16 and partition it with Init (no host fp32 master at build: the optimizer reads it
+    from the parameter store), which must not change a bit."""
     torch.manual_seed(1234)
     model = Net()
+    if precision == "bf16m":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16().float())
+        if param_device != "none":
+            model.to(torch.bfloat16)
     groups = [{"params": [model.emb.weight, model.l1.weight, model.l2.weight]},
               {"params": [model.l1.bias, model.l2.bias, model.ln.weight, model.ln.bias],
                "weight_decay": 0.0, "lr": 1e-2}]
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
-    engine, *_ = zero_core.initialize(model=model, model_parameters=groups,
-                                      config=config(stage, precision, opt_device,
-                                                    param_device, scratch, world))
+    cfg = config(stage, precision, opt_device, param_device, scratch, world)
+    if precision == "bf16m" and param_device != "none":
+        zero_core.Init(module=model, config=cfg)
+    engine, *_ = zero_core.initialize(model=model, model_parameters=groups, config=cfg)
     return engine, model
 
 
@@ -124,7 +135,11 @@ def task_train(scratch, name, stage, precision, opt_device, param_device):
         modify_in_place(engine, model)
     losses += train(engine, STEPS // 2, STEPS - STEPS // 2)
     rep = engine.memory_report().get("offload")
+    # which way the fp32 master was made at build (offloaded stage 3 only)
+    from_store = [getattr(gb, "_master_from_store", None) for gb in engine._buffers
+                  if gb is not None]
     return {"name": name, "losses": losses, "values": values(engine, model),
+            "master_from_store": from_store,
             "dirs": cleanup.registered(), "offload": rep,
             "grad_norm": engine.get_global_grad_norm()}
 

@@ -143,16 +143,26 @@ class Stage3GroupBuffers(UnitBuffersProtocol):
 class OffloadedStage3GroupBuffers(Stage3GroupBuffers):
     """Stage3GroupBuffers whose parameter partitions are held by *store* (the engine's
     ``ParamOffload``): built one unit at a time, so that a rank never holds its whole
-    partition in memory (mixed precision keeps a host fp32 master until the offloaded
-    optimizer took it, ``replace_master``). Only the gradient accumulator is on the
-    device, allocated after the units (the model's own copy is released unit by unit)."""
+    partition in memory. Only the gradient accumulator is on the device, allocated after
+    the units (the model's own copy is released unit by unit).
+
+    The fp32 master at build (mixed precision): when the model's values carry more
+    precision than the compute dtype, a host fp32 master keeps them until the offloaded
+    optimizer took it (``replace_master``) — Ψ/N × 4 bytes per rank for a moment. When
+    they are already in the compute dtype (*values_in_compute_dtype*: a model built in
+    bf16, as DeepSpeed's zero.Init casts it), the store's partitions hold them exactly, so
+    no host master is made and the optimizer reads its fp32 master from the store unit by
+    unit: building then never holds a whole partition, which is what lets a model larger
+    than host memory (ZeRO-Infinity) be built at all."""
 
     GRADIENTS_AFTER_VALUES = True
 
     def __init__(self, units, trainable, compute_dtype, device, rank, world_size, ledger,
                  full_values, store: ParamStoreProtocol, grad_dtype: torch.dtype | None = None,
-                 master_dtype: torch.dtype = torch.float32):
+                 master_dtype: torch.dtype = torch.float32,
+                 values_in_compute_dtype: bool = False):
         self.store = store
+        self._master_from_store = values_in_compute_dtype
         super().__init__(units, trainable, compute_dtype, device, rank, world_size, ledger,
                          full_values, grad_dtype, master_dtype=master_dtype)
 
@@ -160,7 +170,9 @@ class OffloadedStage3GroupBuffers(Stage3GroupBuffers):
         self.param_buf, parts = self.store.place_group(self.layout, self.units)
         return parts
 
-    def _place_master(self, device, ledger) -> FlatBuffer:
+    def _place_master(self, device, ledger) -> FlatBuffer | None:
+        if self._master_from_store:
+            return None   # the optimizer reads the exact values from the store
         # handed to the offloaded optimizer's store, then dropped (engine order)
         return FlatBuffer(self.layout, "partition", self.master_dtype, torch.device("cpu"),
                           self.rank)

@@ -117,7 +117,17 @@ class Stage3Engine(ZeroEngine):
         if self.param_offload is None:
             return Stage3GroupBuffers(*args, grad_dtype=grad_dtype, master_dtype=self.master_dtype)
         return OffloadedStage3GroupBuffers(*args, store=self.param_offload, grad_dtype=grad_dtype,
-                                           master_dtype=self.master_dtype)
+                                           master_dtype=self.master_dtype,
+                                           values_in_compute_dtype=self._built_in_compute_dtype(units))
+
+    def _built_in_compute_dtype(self, units) -> bool:
+        """True when every parameter of *units* holds its values in the compute dtype
+        already (built so, e.g. in bf16 under Init): casting loses nothing."""
+        def source_dtype(p):
+            if pp.is_partitioned(p) and pp.meta_of(p).own_part is not None:
+                return pp.meta_of(p).own_part.dtype
+            return p.dtype
+        return all(source_dtype(p) == self.compute_dtype for u in units for p in u.params)
 
     def _unit_values(self, u):
         """The unit's padded flat values in fp32; its parameters are released afterwards,
