@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -39,7 +40,7 @@ from zero_core.partitioning.layout import GroupLayout
 from zero_core.offload.cleanup import unique_prefix
 from zero_core.offload.errors import OffloadError
 from zero_core.offload.subgroups import SubGroup
-from zero_core.offload.swap_file import SwapFile, aligned_empty
+from zero_core.offload.swap_file import SwapFile, aligned_empty, io_totals
 
 
 class SwappedFlatBuffer(FlatBuffer):
@@ -102,6 +103,7 @@ class NvmeStateStore:
         self._closed = False
         self._mapped: set = set()
         self._waiting = False   # the training thread waits for a slot: no read-ahead now
+        self.wait_s = 0.0       # the training thread's time blocked on the disk (reports)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="zero-core-swap-in")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zero-core-swap-out")
 
@@ -152,6 +154,7 @@ class NvmeStateStore:
             # reserved from here on: a pump (the writer thread's too) must not start a
             # second, soon stale, read of this sub-group
             self._held[key] = -1
+        started = time.perf_counter()
         try:
             if entry is None:
                 slot = self._take_slot()
@@ -167,6 +170,8 @@ class NvmeStateStore:
             with self._lock:
                 self._held.pop(key, None)
             raise
+        finally:
+            self.wait_s += time.perf_counter() - started
         with self._lock:
             self._held[key] = slot
             self._pump_locked()
@@ -181,6 +186,12 @@ class NvmeStateStore:
 
     def finish(self) -> None:
         """End of a step: wait until every write is on disk (raises a worker's error)."""
+        started = time.perf_counter()
+        self._finish_writes()
+        self.wait_s += time.perf_counter() - started
+        self._check()
+
+    def _finish_writes(self) -> None:
         while True:
             with self._lock:
                 pending = list(self._writes.values())
@@ -191,7 +202,6 @@ class NvmeStateStore:
                     f.result()
                 except BaseException:
                     pass  # recorded in self._error by _write
-        self._check()
 
     def grad_buffer(self, n: int) -> torch.Tensor:
         """The host fp32 scratch tensor for one sub-group's gradient (*n* elements)."""
@@ -361,8 +371,7 @@ class NvmeStateStore:
                 "disk_bytes": self.disk_bytes, "buffer_count": len(self.slots),
                 "subgroup_numel": self.max_numel,
                 "direct_io": all(f.direct for f in self.files.values()) if self.files else False,
-                "bytes_read": sum(f.bytes_read for f in self.files.values()),
-                "bytes_written": sum(f.bytes_written for f in self.files.values())}
+                **io_totals(self.files.values()), "wait_s": self.wait_s}
 
     def close(self) -> None:
         """Finish the writes, stop the workers and close the files."""

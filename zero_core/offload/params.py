@@ -40,6 +40,7 @@ optimizer states; the CRCs and host copies are refreshed before the next fetch.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -49,7 +50,7 @@ from zero_core.errors import ConfigError
 from zero_core.interfaces.engine_parts import ParamStoreProtocol
 from zero_core.partitioning.flat_buffer import FlatBuffer
 from zero_core.offload.cleanup import rank_directory, unique_prefix
-from zero_core.offload.swap_file import SwapFile, aligned_empty
+from zero_core.offload.swap_file import SwapFile, aligned_empty, io_totals
 
 KEY = "zero_optimization.offload_param"
 
@@ -102,6 +103,7 @@ class ParamOffload(ParamStoreProtocol):
         self.units_by_index: dict = {}
         self.partitions: list[torch.Tensor] = []          # host partition buffers (cpu)
         self.reads = self.read_ahead_hits = 0
+        self.wait_s = 0.0   # the training thread's time blocked on the disk (reports)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="zero-core-param-swap") if self.nvme else None
 
     # ---- construction ---------------------------------------------------------------------
@@ -193,11 +195,14 @@ class ParamOffload(ParamStoreProtocol):
         else:
             self.read_ahead_hits += 1
         buf, future = entry
+        started = time.perf_counter()
         try:
             part = future.result()
         except BaseException:
             self._free.append(buf)
             raise
+        finally:
+            self.wait_s += time.perf_counter() - started
         self._inflight[u.index] = (u, buf)
         self._read_ahead(u)
         return part if self.device.type == "cpu" else self._to_device(part)
@@ -249,6 +254,15 @@ class ParamOffload(ParamStoreProtocol):
     def _take_buffer(self) -> torch.Tensor:
         """A free staging buffer: drop the read-ahead needed last, or complete the oldest
         gather still holding one."""
+        if self._free:
+            return self._free.pop()
+        started = time.perf_counter()
+        try:
+            return self._wait_for_buffer()
+        finally:
+            self.wait_s += time.perf_counter() - started
+
+    def _wait_for_buffer(self) -> torch.Tensor:
         while not self._free:
             if self._ready:
                 _, (buf, future) = self._ready.popitem(last=True)
@@ -331,8 +345,12 @@ class ParamOffload(ParamStoreProtocol):
         """End of the optimizer step: every unit's new values are on disk."""
         writes, self._writes = list(self._writes.values()), {}
         self._stepping = False
-        for f in writes:
-            f.result()
+        started = time.perf_counter()
+        try:
+            for f in writes:
+                f.result()
+        finally:
+            self.wait_s += time.perf_counter() - started
 
     # ---- checkpoints -----------------------------------------------------------------------
     def mapped(self, gid: int) -> torch.Tensor:
@@ -364,8 +382,7 @@ class ParamOffload(ParamStoreProtocol):
                 staging_bytes=len(self._buffers) * self.cfg.buffer_size * elem,
                 cached_bytes=self._cached_numel * elem,
                 disk_bytes=sum(f.data_bytes for f in self.files),
-                bytes_read=sum(f.bytes_read for f in self.files),
-                bytes_written=sum(f.bytes_written for f in self.files),
+                **io_totals(self.files), wait_s=self.wait_s,
                 reads=self.reads, read_ahead_hits=self.read_ahead_hits)
         return rep
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import time
 import zlib
 
 import numpy as np
@@ -74,6 +75,15 @@ def zero_crc(nbytes: int) -> int:
     return _zero_crc_cache[nbytes]
 
 
+def io_totals(files) -> dict:
+    """Bytes moved and seconds the kernel spent moving them, summed over *files*."""
+    files = list(files)
+    return {"bytes_read": sum(f.bytes_read for f in files),
+            "bytes_written": sum(f.bytes_written for f in files),
+            "read_s": sum(f.read_s for f in files),
+            "write_s": sum(f.write_s for f in files)}
+
+
 class SwapFile:
     """A file of *numel* elements of *dtype* at *path*, split into regions *bounds*."""
 
@@ -85,6 +95,10 @@ class SwapFile:
         self.data_bytes = round_up(numel * self.elem, ALIGN)
         self.bytes_read = 0
         self.bytes_written = 0
+        # seconds spent in the kernel's reads and writes (not the CRCs): with the bytes,
+        # the bandwidth the disk gave this file (reports, ci/bench_infinity.py)
+        self.read_s = 0.0
+        self.write_s = 0.0
         self._map = None
         try:
             self._fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -134,6 +148,7 @@ class SwapFile:
         fd, offset, nbytes, span = self._plan(i, buf)
         view = _bytes_view(buf, span)
         done = 0
+        started = time.perf_counter()
         while done < span:
             try:
                 got = os.preadv(fd, [view[done:]], offset + done)
@@ -145,6 +160,7 @@ class SwapFile:
             if got == 0:
                 break
             done += got
+        self.read_s += time.perf_counter() - started
         if done < nbytes:
             raise OffloadError(
                 f"offload: swap file {self.path} is truncated: region {i} needs bytes "
@@ -168,6 +184,7 @@ class SwapFile:
         view = _bytes_view(buf, span)
         crc = zlib.crc32(view[:nbytes])
         done = 0
+        started = time.perf_counter()
         while done < span:
             try:
                 put = os.pwritev(fd, [view[done:]], offset + done)
@@ -183,6 +200,7 @@ class SwapFile:
             done += put
             if done < span and fd == self._direct_fd:
                 fd, span, view = self._fd, nbytes, view[:nbytes]  # finish unaligned tail
+        self.write_s += time.perf_counter() - started
         self.crc[i] = crc
         self.bytes_written += nbytes
 
