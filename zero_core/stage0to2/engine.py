@@ -31,6 +31,7 @@ from zero_core.errors import ConfigError, ZeroCoreError
 from zero_core.stage0to2.grad_reduce import GradReducer
 from zero_core.stage0to2.buffers import GroupBuffers
 from zero_core.interfaces.ledger import CommLedger
+from zero_core.optim.grad_norm import squared_norm
 from zero_core.optim.loss_scaler import build_loss_scaler
 from zero_core.optim.nonfinite import NonFiniteGradientError, NonFiniteGuard
 from zero_core.memory import MemoryLedger, model_state_breakdown, optimizer_k
@@ -299,9 +300,7 @@ class ZeroEngine(torch.nn.Module):
         self.reducer.flush()
         self.reducer.wait_all()
         present = [gb for gb in self._buffers if gb is not None]
-        norms = [torch.linalg.vector_norm(t, dtype=torch.float32)
-                 for gb in present for t in gb.reduced_grad_tensors()]
-        local = torch.stack(norms).double().square().sum()
+        local = squared_norm(t for gb in present for t in gb.reduced_grad_tensors())
         sumsq = self._all_reduce_step_stats(local)
         scale = self.loss_scale
         overflow = not math.isfinite(sumsq)
