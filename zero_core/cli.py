@@ -382,14 +382,16 @@ def _plan_cluster(args, spec):
                                      f"make one with --measure --save-measurement FILE")
     if args.measure:
         measured = measure.measure(ranks=args.ranks_per_node or args.ranks or 2,
-                                   block=(spec.hidden, spec.n_head, spec.seq, args.micro_batch))
+                                   block=(spec.hidden, spec.n_head, spec.seq, args.micro_batch),
+                                   precision=args.precision, disk_dir=args.disk_dir)
         if args.save_measurement:
             with open(args.save_measurement, "w") as fh:
                 json.dump(measured, fh, indent=2)
     if args.cluster == "gpu-cluster":
         base = clusters.gpu_cluster(args.ranks or 64, args.ranks_per_node or 8)
     else:
-        base = clusters.this_machine(measured, args.ranks, args.ranks_per_node)
+        base = clusters.this_machine(measured, args.ranks, args.ranks_per_node,
+                                     args.disk_dir)
     overrides = {"device_memory": args.device_memory_gb and args.device_memory_gb * clusters.GB,
                  "host_memory": args.host_memory_gb and args.host_memory_gb * clusters.GB,
                  "disk": args.disk_gb and args.disk_gb * clusters.GB,
@@ -400,13 +402,29 @@ def _plan_cluster(args, spec):
     return replace(base, **{k: v for k, v in overrides.items() if v}), measured
 
 
+def _plan_sizes(path: str | None):
+    """The zero_optimization sizes of the config at *path* (buckets, live window, offload
+    buffers), or None for the defaults."""
+    if path is None:
+        return None
+    from zero_core.plan import memory as plan_memory
+    from zero_core.plan.model import PlanError
+    try:
+        with open(path) as fh:
+            config = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError(f"--zero-config {path}: cannot read it as JSON ({exc})") from None
+    return plan_memory.sizes_from_config(config)
+
+
 def _cmd_plan(args) -> int:
     from zero_core.plan import planner, render
     try:
         spec = _plan_model(args)
         cluster, measured = _plan_cluster(args, spec)
         candidates = planner.plan(spec, cluster, args.micro_batch, args.precision,
-                                  args.checkpointing, args.flash_attention)
+                                  args.checkpointing, args.flash_attention,
+                                  _plan_sizes(args.zero_config))
         scale = [int(n) for n in args.scale.split(",")] if args.scale else []
         rows = planner.extrapolate(spec, cluster, scale, args.micro_batch, args.precision,
                                    args.checkpointing) if scale else None
@@ -451,6 +469,12 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--intra-gbps", type=float, help="Gbit/s per rank inside a node")
     p.add_argument("--inter-gbps", type=float, help="Gbit/s per rank across nodes")
     p.add_argument("--tflops", type=float, help="TFLOP/s per rank")
+    p.add_argument("--zero-config", metavar="FILE",
+                   help="a DeepSpeed-style config whose zero_optimization sizes (buckets, live "
+                        "window, sub-groups, offload buffers) the plan uses instead of defaults")
+    p.add_argument("--disk-dir", default=".", metavar="DIR",
+                   help="this-machine: where nvme swap files would go (its free space, and with "
+                        "--measure its speed; default: the current directory)")
     p.add_argument("--measure", action="store_true",
                    help="time a matmul, the disk and 2-rank gloo collectives here (~30 s)")
     p.add_argument("--save-measurement", metavar="FILE", help="with --measure: keep the rates")

@@ -102,9 +102,10 @@ def host_facts(path: str = ".") -> dict:
 
 
 def this_machine(measured: dict | None, ranks: int | None = None,
-                 ranks_per_node: int | None = None) -> Cluster:
+                 ranks_per_node: int | None = None, disk_dir: str = ".") -> Cluster:
     """This host as a cluster of CPU ranks; *measured*: ``measure.measure()``'s result
-    (without it the rates are unknown and this is an error naming --measure)."""
+    (without it the rates are unknown and this is an error naming --measure); the disk is
+    the free space at *disk_dir*."""
     if not measured:
         raise PlanError("the 'this-machine' cluster needs measured rates: run "
                         "`zero-core plan --measure` (about 30 s; --save-measurement FILE keeps "
@@ -113,7 +114,7 @@ def this_machine(measured: dict | None, ranks: int | None = None,
         raise PlanError("the measured rates predate the training-rate measurement (no "
                         "'train_flops' / 'optimizer_rate'): measure again with "
                         "`zero-core plan --measure --save-measurement FILE`")
-    facts = host_facts()
+    facts = host_facts(disk_dir)
     ranks = ranks or measured.get("ranks") or 2
     rpn = ranks_per_node or ranks
     return Cluster(name="this-machine", ranks=ranks, ranks_per_node=rpn,

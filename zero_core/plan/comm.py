@@ -17,7 +17,8 @@ node everything is intra-node. Sources, so that each figure has one definition:
 
 Offload moves, per step, the reduced gradient partition down to the host and the updated
 parameter partition back up (host↔device); with nvme the master and optimizer states are
-also read from and written back to disk once per step.
+also read from and written back to disk once per step, and at stage 3 the parameter
+partitions are read for every gather and written once.
 """
 from __future__ import annotations
 
@@ -56,12 +57,21 @@ def collective_bytes(lay: Layout, stage: int, world_size: int, ranks_per_node: i
 
 
 def offload_bytes(lay: Layout, states: dict, world_size: int, precision: str,
-                  offload: str) -> dict:
+                  offload: str, stage: int = 0) -> dict:
     """{"host_device": bytes, "disk": bytes} per rank and step for *offload* none/cpu/nvme."""
     if offload == "none":
         return {"host_device": 0, "disk": 0}
     # the reduced gradient partition down, the updated parameter partition up, each in
     # the compute dtype (the gradient accumulator's dtype is the compute dtype by default)
-    host_device = 2 * lay.padded / world_size * PRECISION_BYTES[precision]
-    disk = 2 * (states["master_weights"] + states["optimizer_states"]) if offload == "nvme" else 0
+    b = PRECISION_BYTES[precision]
+    host_device = 2 * lay.padded / world_size * b
+    if offload != "nvme":
+        return {"host_device": host_device, "disk": 0}
+    disk = 2 * (states["master_weights"] + states["optimizer_states"])
+    if stage == 3:
+        # the parameter partitions: read for every gather (as collective_bytes counts
+        # them), written once after the step
+        every = sum(p for p, _ in lay.units)
+        regathered = sum(p for p, keep in lay.units if not keep)
+        disk += (every + regathered + every) / world_size * b
     return {"host_device": host_device, "disk": disk}

@@ -10,7 +10,8 @@
   and all_gather of 4 MB; bandwidth = bytes the ledger counts as sent / seconds;
 - training rate (``train_flops``): in the same ranks, all at once, forward + backward of a
   GPT block shaped like the planned model's (hidden size, heads, sequence, micro-batch;
-  without a model DEFAULT_BLOCK), 6 x parameters x tokens FLOP per step. What the
+  without a model DEFAULT_BLOCK) in the planned precision's dtype, 6 x parameters x
+  tokens FLOP per step. What the
   step-time model divides by: on the development machine it was 0.6-0.8 of the 1024^2
   matmul's rate (``flops``), which had predicted steps 1.5x too short
   (ci/validate_plan.py);
@@ -82,26 +83,35 @@ RANK_RATES = ("all_reduce", "all_gather", "train_flops", "optimizer_rate")
 DEFAULT_BLOCK = (768, 12, 128, 4)
 
 
-def rank_rates(ranks: int = 2, block: tuple = DEFAULT_BLOCK, timeout: float = 120.0) -> dict:
+#: the dtype the training rate is timed in, by the planner's precision names
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def rank_rates(ranks: int = 2, block: tuple = DEFAULT_BLOCK, timeout: float = 120.0,
+               precision: str = "fp32") -> dict:
     """The rates measure_worker.py times on *ranks* local gloo ranks (the slowest rank's):
     bytes/s sent in all_reduce and all_gather, the training FLOP/s of a GPT *block*
-    (hidden, heads, sequence, sequences) and Adam's elements/s."""
+    (hidden, heads, sequence, sequences) in *precision* and Adam's elements/s."""
     from zero_core.testing import run_ranks
-    results = run_ranks(str(WORKER), max(2, ranks), "torchrun", args=list(block),
+    results = run_ranks(str(WORKER), max(2, ranks), "torchrun",
+                        args=[*block, DTYPES[precision]],
                         env={"ZERO_CORE_COMM": "gloo"}, timeout=timeout)
     reports = [r.report for r in results]
     return {key: min(rep[key] for rep in reports) for key in RANK_RATES}
 
 
-def measure(ranks: int = 2, disk_dir: str | None = None, block: tuple | None = None) -> dict:
+def measure(ranks: int = 2, disk_dir: str | None = None, block: tuple | None = None,
+            precision: str = "fp32") -> dict:
     """Every rate of the module docstring, and how long measuring took; *block*: the
-    planned model's (hidden, heads, sequence, micro-batch) for the training rate."""
+    planned model's (hidden, heads, sequence, micro-batch) for the training rate, timed
+    in *precision*."""
     start = time.perf_counter()
     block = tuple(block or DEFAULT_BLOCK)
-    rates = rank_rates(ranks, block)
+    rates = rank_rates(ranks, block, precision=precision)
     coll = {op: rates[op] for op in ("all_reduce", "all_gather")}
     out = {"ranks": ranks, "flops": matmul_flops(ranks), "train_flops": rates["train_flops"],
-           "train_block": dict(zip(("hidden", "heads", "seq", "micro_batch"), block)),
+           "train_block": dict(zip(("hidden", "heads", "seq", "micro_batch"), block),
+                               precision=precision),
            "optimizer_rate": rates["optimizer_rate"],
            "memcpy_bandwidth": memcpy_bandwidth(), "disk_bandwidth": disk_bandwidth(disk_dir),
            "intra_bandwidth": min(coll.values()), "collectives": coll}

@@ -54,12 +54,13 @@ class _Block(torch.nn.Module):
 
 
 def block_train_flops(comm, hidden: int, heads: int, seq: int, batch: int,
-                      reps: int = 6) -> float:
-    """FLOP/s of a GPT block's forward + backward, counted as 6 x its parameters x tokens
-    (the planner's count: attention's s^2 work, norms and activations are in the time but
-    not in the FLOPs, as they are in a real step)."""
-    block = _Block(hidden, heads)
-    x = torch.randn(batch, seq, hidden, requires_grad=True)
+                      dtype: torch.dtype = torch.float32, reps: int = 6) -> float:
+    """FLOP/s of a GPT block's forward + backward in *dtype* (the planned precision: on a
+    CPU without bf16 instructions bf16 runs at a third of float32's rate), counted as 6 x
+    its parameters x tokens (the planner's count: attention's s^2 work, norms and
+    activations are in the time but not in the FLOPs, as they are in a real step)."""
+    block = _Block(hidden, heads).to(dtype)
+    x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
     params = sum(p.numel() for p in block.parameters())
 
     def step():
@@ -92,9 +93,11 @@ topology = resolve_ranks_per_node(launch.world_size, launch.local_world_size)
 comm = registry.load().communicator_class(None)(launch, topology, timeout=comm_timeout())
 x = torch.ones(ELEMENTS)
 out = torch.empty(ELEMENTS * comm.world_size)
-# the block's hidden size, heads, sequence length and sequences (measure.DEFAULT_BLOCK)
+# the block's hidden size, heads, sequence length, sequences (measure.DEFAULT_BLOCK) and
+# dtype name (float32, bfloat16, float16)
 hidden, heads, seq, batch = (int(v) for v in sys.argv[1:5])
+dtype = getattr(torch, sys.argv[5]) if len(sys.argv) > 5 else torch.float32
 report({"all_reduce": timed(comm, lambda: comm.all_reduce(x)),
         "all_gather": timed(comm, lambda: comm.all_gather_into(out, x)),
-        "train_flops": block_train_flops(comm, hidden, heads, seq, batch),
+        "train_flops": block_train_flops(comm, hidden, heads, seq, batch, dtype),
         "optimizer_rate": adam_elements_per_s(comm)})

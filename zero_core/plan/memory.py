@@ -45,7 +45,9 @@ pools of 2-rank runs of the bench GPT, whose ledger they then matched exactly):
 
 Offloaded optimizer (``placement``): the host store holds the fp32 master slice (the
 parameters' own fp32 values at fp32: a copy) and the states, plus one fp32 gradient buffer
-of a sub-group (``sub_group_size``, the whole partition by default).
+of a sub-group (``sub_group_size``, the whole partition by default). On nvme the host holds
+instead ``buffer_count`` swap slots of one sub-group of the master and both moments, and at
+stage 3 the parameter store's ``buffer_count`` staging buffers of ``buffer_size`` elements.
 """
 from __future__ import annotations
 
@@ -62,20 +64,35 @@ ADAM_K = 12
 
 @dataclass(frozen=True)
 class ZeroSizes:
-    """The zero_optimization sizes the layout depends on (elements). Defaults: the config
-    parser's (``zero_core.config``), read by :func:`default_sizes`."""
+    """The zero_optimization sizes the layout and the offload buffers depend on
+    (elements, counts). Defaults: the config parser's (``zero_core.config``), read by
+    :func:`default_sizes`; a user's config by :func:`sizes_from_config`."""
 
     reduce_bucket_size: int
     prefetch_bucket_size: int
     persistence_threshold: int
     max_live_parameters: int
+    sub_group_size: int = ZeroConfig.sub_group_size
+    optimizer_buffer_count: int = 4   # offload_optimizer.buffer_count (nvme slots)
+    param_buffer_count: int = 5       # offload_param.buffer_count (nvme staging buffers)
+    param_buffer_size: int = 100_000_000
+
+
+def sizes_from_config(config: dict | None = None) -> ZeroSizes:
+    """The sizes of a DeepSpeed-style *config* (dict), the parser's defaults for what it
+    does not set (and for None)."""
+    from zero_core.config import parse_config
+    cfg = dict(config or {})
+    cfg.setdefault("train_micro_batch_size_per_gpu", 1)
+    zc = parse_config(cfg).zero_optimization
+    return ZeroSizes(zc.reduce_bucket_size, zc.stage3_prefetch_bucket_size,
+                     zc.stage3_param_persistence_threshold, zc.stage3_max_live_parameters,
+                     zc.sub_group_size, zc.offload_optimizer.buffer_count,
+                     zc.offload_param.buffer_count, zc.offload_param.buffer_size)
 
 
 def default_sizes() -> ZeroSizes:
-    from zero_core.config import parse_config
-    zc = parse_config({"train_micro_batch_size_per_gpu": 1}).zero_optimization
-    return ZeroSizes(zc.reduce_bucket_size, zc.stage3_prefetch_bucket_size,
-                     zc.stage3_param_persistence_threshold, zc.stage3_max_live_parameters)
+    return sizes_from_config(None)
 
 
 @dataclass(frozen=True)
@@ -164,8 +181,7 @@ OFFLOAD = ("none", "cpu", "nvme")
 
 
 def placement(states: dict, stage: int, offload: str, partition_elements: float = 0.0,
-              precision: str = "bf16",
-              sub_group_size: int = ZeroConfig.sub_group_size) -> dict:
+              precision: str = "bf16", sizes: ZeroSizes | None = None) -> dict:
     """Where the model states live: bytes per rank on the device, in host memory and on
     disk, for *offload* none / cpu / nvme (optimizer; at stage 3 the parameters too).
     *partition_elements*: this rank's share of the parameters, for what the offloaded
@@ -174,6 +190,7 @@ def placement(states: dict, stage: int, offload: str, partition_elements: float 
         raise PlanError(f"offload {offload!r}: use one of {', '.join(OFFLOAD)}")
     if offload != "none" and stage < 1:
         raise PlanError("offload needs stage 1, 2 or 3 (it moves partitioned optimizer states)")
+    sizes = sizes or default_sizes()
     moved = ["master_weights", "optimizer_states"] + (["parameters"] if stage == 3 else [])
     moved = moved if offload != "none" else []
     off = sum(states[c] for c in moved)
@@ -181,9 +198,16 @@ def placement(states: dict, stage: int, offload: str, partition_elements: float 
     if offload != "none":
         # the fp32 gradient buffer of one sub-group, and at fp32 the master copy (at
         # bf16/fp16 the master is already among the moved states)
-        host_extra = 4 * min(partition_elements, sub_group_size)
+        sub_group = min(partition_elements, sizes.sub_group_size)
+        host_extra = 4 * sub_group
         if precision == "fp32":
             host_extra += 4 * partition_elements
+        if offload == "nvme":
+            # the swap slots: each holds one sub-group of the master and Adam's two moments
+            host_extra += sizes.optimizer_buffer_count * 3 * 4 * sub_group
+            if stage == 3:   # the parameter store's staging buffers
+                host_extra += (sizes.param_buffer_count * sizes.param_buffer_size
+                               * PRECISION_BYTES[precision])
     return {"device": states["model_states"] - off,
             "host": (off if offload == "cpu" else 0.0) + host_extra,
             "disk": off if offload == "nvme" else 0.0,

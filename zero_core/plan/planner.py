@@ -67,7 +67,7 @@ def evaluate(spec: ModelSpec, cluster: Cluster, micro_batch: int, precision: str
     n = cluster.ranks
     lay = layout or plan_memory.layout(spec, stage, n, precision, sizes)
     states = plan_memory.model_states(stage, lay.padded, n, precision)
-    where = plan_memory.placement(states, stage, offload, lay.padded / n, precision)
+    where = plan_memory.placement(states, stage, offload, lay.padded / n, precision, sizes)
     hpz = plan_memory.hpz_bytes(lay, precision, cluster.ranks_per_node) if zeropp else 0
     acts = plan_memory.activation_bytes(spec, micro_batch, precision, checkpointing,
                                         flash_attention)
@@ -86,7 +86,7 @@ def evaluate(spec: ModelSpec, cluster: Cluster, micro_batch: int, precision: str
         why.append(f"disk {disk_node / 1e9:.3g} GB per node > {cluster.disk / 1e9:.3g} GB")
     collectives = plan_comm.collective_bytes(lay, stage, n, cluster.ranks_per_node, precision,
                                              zeropp)
-    moved = plan_comm.offload_bytes(lay, states, n, precision, offload)
+    moved = plan_comm.offload_bytes(lay, states, n, precision, offload, stage)
     tokens = micro_batch * spec.seq
     stepped = lay.padded if stage == 0 else lay.padded / n
     times = step_time(lay.num_parameters, tokens, cluster, collectives, moved, checkpointing,
