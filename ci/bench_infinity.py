@@ -145,6 +145,7 @@ def summarize(reports: list, dd: dict) -> dict:
         steps.append(st)
     formula = {"opt_each_way": 12 * psi, "param_read": 2 * 2 * psi, "param_written": 2 * psi}
     return {"num_parameters": psi, "build_s": max(r["build_s"] for r in reports),
+            "config": reports[0]["config"],
             "peak_rss_gib": [r["peak_rss"] / GIB for r in reports],
             "rss_after_build_gib": [r["rss_after_build"] / GIB for r in reports],
             "disk_bytes": sum(r.get("disk_bytes", 0) for r in reports),

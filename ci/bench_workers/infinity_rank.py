@@ -168,6 +168,7 @@ def main():
         print(f"rank {rank}: step {len(steps)} {t_end - t:.1f} s, loss {steps[-1]['loss']:.4f}",
               flush=True)
     out = {"ok": True, "contender": s["contender"], "num_parameters": int(num_params),
+           "config": ds_style_config(s),
            "build_s": build_s, "rss_after_build": rss_built, "peak_rss": peak_rss_bytes(),
            "steps": steps}
     if s["contender"] == "zero_core":
