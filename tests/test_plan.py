@@ -263,6 +263,8 @@ def test_cli_json_and_text(capsys):
     (["--preset", "tiny"], ["needs measured rates", "--measure"]),
     (["--preset", "tiny", "--layers", "2", "--cluster", "gpu-cluster"], ["one way"]),
     (["--layers", "2", "--cluster", "gpu-cluster"], ["--hidden", "--vocab", "--seq"]),
+    (["--preset", "tiny", "--cluster", "gpu-cluster", "--zero-config", "/nonexistent.json"],
+     ["--zero-config /nonexistent.json", "cannot read"]),
 ])
 def test_errors_are_named(argv, words, capsys):
     assert cli.main(["plan", *argv]) == 2
@@ -288,3 +290,24 @@ def test_measured_rates_are_positive_and_build_this_machine(tmp_path, monkeypatc
     path = tmp_path / "rates.json"
     path.write_text(json.dumps(rates))
     assert cli.main(["plan", "--preset", "tiny", "--measurement", str(path), "--json"]) == 0
+
+
+def test_zero_config_sizes_reach_the_plan(tmp_path, capsys):
+    """--zero-config: a config's offload buffers change the nvme candidates' host bytes by
+    exactly what they hold (here: 2 more optimizer slots of a 1M-element sub-group)."""
+    def nvme_host(extra):
+        argv = ["plan", "--preset", "bench", "--cluster", "gpu-cluster", "--ranks", "8", "--json"]
+        if extra is not None:
+            path = tmp_path / "ds.json"
+            path.write_text(json.dumps({"zero_optimization": extra}))
+            argv += ["--zero-config", str(path)]
+        assert cli.main(argv) == 0
+        plan = json.loads(capsys.readouterr().out)
+        return next(c["memory"]["host"] for c in plan["candidates"]
+                    if c["stage"] == 2 and c["offload"] == "nvme")
+    base = {"sub_group_size": 1 << 20, "offload_optimizer": {"buffer_count": 3}}
+    more = {"sub_group_size": 1 << 20, "offload_optimizer": {"buffer_count": 5}}
+    partition = plan_memory.layout(model.from_preset("bench"), 2, 8, "bf16").padded / 8
+    slot = 3 * 4 * min(partition, 1 << 20)
+    assert nvme_host(more) - nvme_host(base) == pytest.approx(2 * slot)
+    assert nvme_host(None) != nvme_host(base)
