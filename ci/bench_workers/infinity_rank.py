@@ -85,11 +85,30 @@ def build_zero_core(s: dict):
     return engine, engine.num_parameters
 
 
+#: DeepSpeed's parameter swapper takes one staging buffer per parameter *tensor* in flight
+#: (zero-core's, one per fetch unit): a block has 12 tensors, and prefetch (one block) plus
+#: the live window (two) keep up to three blocks in flight; 40 buffers of the largest
+#: tensor's partition (the MLP's 4·w² weight). With 4 it stops in the first forward
+#: ("Not enough buffers 0 for swapping 1", measured).
+DS_PARAM_BUFFERS = 40
+
+
+def deepspeed_param_buffers(s: dict) -> dict:
+    largest = -(-4 * s["width"] * s["width"] // s["world_size"]) + 4096
+    return {"buffer_count": DS_PARAM_BUFFERS, "buffer_size": largest}
+
+
 def build_deepspeed(s: dict):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = ds_style_config(s)
+    cfg["zero_optimization"]["offload_param"].update(deepspeed_param_buffers(s))
+    # DeepSpeed's nvme prefetch swaps in every not-yet-available parameter of the coming
+    # trace window and fails on one listed twice ("param N already assigned swap buffer
+    # id", measured): the tied embedding, and with checkpointing every block (recompute,
+    # then backward). No prefetch bucket keeps its window to one parameter.
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
     cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1,
                   "single_submit": False, "overlap_events": True}
     with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme",
