@@ -48,17 +48,13 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import bench_engine as be  # noqa: E402  (the deepspeed environment)
+from bench_offload import approx_params  # noqa: E402  (examples/gpt.py's parameter count)
 from zero_core.testing import run_ranks  # noqa: E402
 
 WORKER = os.path.join(HERE, "bench_workers", "infinity_rank.py")
 GIB = 1 << 30
 BYTES_PER_PARAM = 14   # bf16 parameter + fp32 master + two fp32 Adam moments
 RANKS = 2
-
-
-def gpt_params(layers: int, width: int, seq: int, vocab: int = 256) -> int:
-    """examples/gpt.py's parameter count (tied head): blocks, embeddings, final norm."""
-    return layers * (12 * width * width + 13 * width) + (vocab + seq) * width + 2 * width
 
 
 def dd_bandwidth(directory: str, gib: float) -> dict:
@@ -81,8 +77,7 @@ def dd_bandwidth(directory: str, gib: float) -> dict:
 
 
 def load_average() -> str:
-    with open("/proc/loadavg") as fh:
-        return " ".join(fh.read().split()[:3])
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def run_contender(name: str, args, nvme_dir: str) -> dict:
@@ -131,7 +126,7 @@ def summarize(reports: list, dd: dict) -> dict:
                                + st["proc_written"] / dd["write"]) / st["wall_s"]
         ios = [p["io"] for p in per]
         if all(io is not None for io in ios):
-            tot = {k: sum(io[k] for io in ios) for k in ios[0] if k != "direct_io"}
+            tot = {k: sum(io[k] for io in ios) for k in ios[0]}
             read = tot["opt_read"] + tot["param_read"]
             written = tot["opt_written"] + tot["param_written"]
             disk_need = read / dd["read"] + written / dd["write"]
@@ -208,7 +203,7 @@ def main():
 
     os.makedirs(args.nvme_dir, exist_ok=True)
     free = shutil.disk_usage(args.nvme_dir).free
-    psi = gpt_params(args.layers, args.width, args.seq)
+    psi = approx_params(args.layers, args.width, args.seq)
     need = BYTES_PER_PARAM * psi
     print(f"# ZeRO-Infinity bench: GPT {args.layers}x{args.width} = {psi / 1e9:.2f} B "
           f"parameters, {RANKS} ranks; disk free at {args.nvme_dir}: {free / 1e9:.1f} GB, "

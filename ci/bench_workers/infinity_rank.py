@@ -135,7 +135,7 @@ def io_counters(engine) -> dict | None:
     return {"opt_read": off["bytes_read"], "opt_written": off["bytes_written"],
             "param_read": p["bytes_read"], "param_written": p["bytes_written"],
             "read_s": off["read_s"] + p["read_s"], "write_s": off["write_s"] + p["write_s"],
-            "wait_s": off["wait_s"] + p["wait_s"], "direct_io": off["direct_io"]}
+            "wait_s": off["wait_s"] + p["wait_s"]}
 
 
 def proc_io() -> dict:
@@ -149,8 +149,7 @@ def proc_io() -> dict:
 def delta(after: dict | None, before: dict | None) -> dict | None:
     if after is None or before is None:
         return None
-    return {k: (after[k] - before[k]) if isinstance(after[k], (int, float))
-            and not isinstance(after[k], bool) else after[k] for k in after}
+    return {k: after[k] - before[k] for k in after}
 
 
 def main():

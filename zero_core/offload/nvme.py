@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -40,7 +39,7 @@ from zero_core.partitioning.layout import GroupLayout
 from zero_core.offload.cleanup import unique_prefix
 from zero_core.offload.errors import OffloadError
 from zero_core.offload.subgroups import SubGroup
-from zero_core.offload.swap_file import SwapFile, aligned_empty, io_totals
+from zero_core.offload.swap_file import SwapFile, aligned_empty, io_totals, waiting
 
 
 class SwappedFlatBuffer(FlatBuffer):
@@ -154,24 +153,22 @@ class NvmeStateStore:
             # reserved from here on: a pump (the writer thread's too) must not start a
             # second, soon stale, read of this sub-group
             self._held[key] = -1
-        started = time.perf_counter()
         try:
-            if entry is None:
-                slot = self._take_slot()
-                entry = (slot, self._reader.submit(self._read, key, slot))
-            slot, future = entry
-            try:
-                future.result()
-            except BaseException:
-                with self._lock:
-                    self._free.append(slot)
-                raise
+            with waiting(self):
+                if entry is None:
+                    slot = self._take_slot()
+                    entry = (slot, self._reader.submit(self._read, key, slot))
+                slot, future = entry
+                try:
+                    future.result()
+                except BaseException:
+                    with self._lock:
+                        self._free.append(slot)
+                    raise
         except BaseException:
             with self._lock:
                 self._held.pop(key, None)
             raise
-        finally:
-            self.wait_s += time.perf_counter() - started
         with self._lock:
             self._held[key] = slot
             self._pump_locked()
@@ -186,22 +183,18 @@ class NvmeStateStore:
 
     def finish(self) -> None:
         """End of a step: wait until every write is on disk (raises a worker's error)."""
-        started = time.perf_counter()
-        self._finish_writes()
-        self.wait_s += time.perf_counter() - started
+        with waiting(self):
+            while True:
+                with self._lock:
+                    pending = list(self._writes.values())
+                if not pending:
+                    break
+                for f in pending:
+                    try:
+                        f.result()
+                    except BaseException:
+                        pass  # recorded in self._error by _write
         self._check()
-
-    def _finish_writes(self) -> None:
-        while True:
-            with self._lock:
-                pending = list(self._writes.values())
-            if not pending:
-                break
-            for f in pending:
-                try:
-                    f.result()
-                except BaseException:
-                    pass  # recorded in self._error by _write
 
     def grad_buffer(self, n: int) -> torch.Tensor:
         """The host fp32 scratch tensor for one sub-group's gradient (*n* elements)."""

@@ -40,7 +40,6 @@ optimizer states; the CRCs and host copies are refreshed before the next fetch.
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -50,7 +49,7 @@ from zero_core.errors import ConfigError
 from zero_core.interfaces.engine_parts import ParamStoreProtocol
 from zero_core.partitioning.flat_buffer import FlatBuffer
 from zero_core.offload.cleanup import rank_directory, unique_prefix
-from zero_core.offload.swap_file import SwapFile, aligned_empty, io_totals
+from zero_core.offload.swap_file import SwapFile, aligned_empty, io_totals, waiting
 
 KEY = "zero_optimization.offload_param"
 
@@ -195,14 +194,12 @@ class ParamOffload(ParamStoreProtocol):
         else:
             self.read_ahead_hits += 1
         buf, future = entry
-        started = time.perf_counter()
         try:
-            part = future.result()
+            with waiting(self):
+                part = future.result()
         except BaseException:
             self._free.append(buf)
             raise
-        finally:
-            self.wait_s += time.perf_counter() - started
         self._inflight[u.index] = (u, buf)
         self._read_ahead(u)
         return part if self.device.type == "cpu" else self._to_device(part)
@@ -256,11 +253,8 @@ class ParamOffload(ParamStoreProtocol):
         gather still holding one."""
         if self._free:
             return self._free.pop()
-        started = time.perf_counter()
-        try:
+        with waiting(self):
             return self._wait_for_buffer()
-        finally:
-            self.wait_s += time.perf_counter() - started
 
     def _wait_for_buffer(self) -> torch.Tensor:
         while not self._free:
@@ -345,12 +339,9 @@ class ParamOffload(ParamStoreProtocol):
         """End of the optimizer step: every unit's new values are on disk."""
         writes, self._writes = list(self._writes.values()), {}
         self._stepping = False
-        started = time.perf_counter()
-        try:
+        with waiting(self):
             for f in writes:
                 f.result()
-        finally:
-            self.wait_s += time.perf_counter() - started
 
     # ---- checkpoints -----------------------------------------------------------------------
     def mapped(self, gid: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ import os
 import struct
 import time
 import zlib
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -82,6 +83,17 @@ def io_totals(files) -> dict:
             "bytes_written": sum(f.bytes_written for f in files),
             "read_s": sum(f.read_s for f in files),
             "write_s": sum(f.write_s for f in files)}
+
+
+@contextmanager
+def waiting(store):
+    """Add the seconds the block takes to ``store.wait_s``: the training thread blocked on
+    the disk (both stores' reports; ci/bench_infinity.py's stalls)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        store.wait_s += time.perf_counter() - started
 
 
 class SwapFile:

@@ -29,7 +29,7 @@ def squared_norm(tensors) -> torch.Tensor:
         flat = t.reshape(-1)
         for lo in range(0, flat.numel(), CHUNK):
             piece = flat[lo:lo + CHUNK]
-            if piece.dtype != torch.float32 and piece.element_size() < 4:
+            if piece.element_size() < 4:
                 if staging is None or staging.device != piece.device:
                     staging = torch.empty(CHUNK, dtype=torch.float32, device=piece.device)
                 piece = staging[:piece.numel()].copy_(piece)
