@@ -5,17 +5,19 @@ Per step and rank, with b bytes per element (the compute dtype), N ranks, Ψ_g t
 of parameters gathered on use and Ψ_p those of persistent parameters (fewer elements
 than stage3_param_persistence_threshold), Ψ = Ψ_g + Ψ_p all trainable:
 
-* all-gather:     (k Ψ_g − Ψ_last + Ψ_p) · b · (N-1)/N. With stage3_max_reuse_distance 0,
-  k = 2 (forward, and again in backward) except for the unit used last in forward, Ψ_last:
-  its next use is backward's first request, 0 elements away, so it stays gathered. When
-  the whole model is within the reuse distance and the live window, k = 1 and Ψ_last = 0
-  (kept from forward to backward). Persistent parameters are gathered once per step,
+* all-gather:     (2 Ψ_g − Ψ_kept + Ψ_p) · b · (N-1)/N: every unit in forward, and again
+  in backward unless the forward left it gathered. Ψ_kept, with stage3_max_reuse_distance
+  0: the unit used last in forward (its next use is backward's first request, 0 elements
+  away), and before it the trailing units the live window (stage3_max_live_parameters)
+  still holds with it — the prefetcher would gather those again before their next use
+  anyway, so the coordinator keeps them (as DeepSpeed's does). With a large reuse
+  distance and window, Ψ_kept = Ψ_g. Persistent parameters are gathered once per step,
   after the step changed them;
 * reduce-scatter: Ψ · b · (N-1)/N (gloo and MPI carry it as an all-to-all);
 * the step's one all-reduce: 3 float64 (gradient norm and the two sample counts).
 
 So zero_core.memory.comm_bytes_per_step's 3Ψ elements is the bound, reached but for
-Ψ_last. Equality is exact: the model's units carry no padding (the test checks that
+Ψ_kept. Equality is exact: the model's units carry no padding (the test checks that
 precondition), and a gather issued but not used — a prefetch that was discarded, a unit
 re-gathered while still gathered — would add a whole unit's bytes.
 """
@@ -30,8 +32,10 @@ from zero_core.testing import mpirun_path, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "stage3_traffic.py")
 BYTES = {"fp32": 4, "bf16": 2}
-GATHERS_PER_STEP = {"regather-fp32": 2, "regather-bf16": 2, "keep-fp32": 1,
-                    "persistent-norms-fp32": 2, "all-persistent-bf16": 2}
+# units the forward leaves gathered, in blocks (of 4): what each scenario exercises
+KEPT_BLOCKS = {"regather-fp32": 2, "regather-bf16": 2, "one-unit-window-fp32": 1,
+               "window-keeps-all-fp32": 4, "keep-fp32": 4, "persistent-norms-fp32": 2,
+               "all-persistent-bf16": 0}
 
 pytestmark = pytest.mark.multirank
 
@@ -54,18 +58,18 @@ def test_stage3_step_sends_exactly_the_formula(where):
             assert r["units"] - r["persistent_units"] == (4 if r["gathered_elements"] else 0), r
             precision = name.rsplit("-", 1)[1]
             b, share = BYTES[precision], (n - 1) / n
-            k = GATHERS_PER_STEP[name]
             ops = r["comm"]["ops"]
             gathered = sum(ops[o]["sent_bytes"] for o in ops if o.startswith("all_gather"))
             reduced = sum(ops[o]["sent_bytes"] for o in ("reduce_scatter", "all_to_all_single")
                           if o in ops)
-            last = r["last_block_elements"] if k == 2 else 0
-            want = (k * r["gathered_elements"] - last + r["persistent_elements"]) * b * share
+            kept = r["kept_elements"]
+            assert kept == KEPT_BLOCKS[name] * r["gathered_elements"] // 4, (name, kept)
+            want = (2 * r["gathered_elements"] - kept + r["persistent_elements"]) * b * share
             assert gathered == want, (name, ops)
             assert reduced == r["trainable_elements"] * b * share, (name, ops)
             assert ops["all_reduce"]["payload_bytes"] == 3 * 8, (name, ops)
             assert set(ops) <= {"all_gather_into", "reduce_scatter", "all_to_all_single",
                                 "all_reduce"}, (name, ops)
-            if k == 2 and r["persistent_elements"] == 0:
+            if r["persistent_elements"] == 0:
                 bound = comm_bytes_per_step(3, r["trainable_elements"], n, precision)
-                assert gathered + reduced == bound - last * b * share, name
+                assert gathered + reduced == bound - kept * b * share, name

@@ -2,7 +2,7 @@
 wire in one optimizer step, by the ledger, for settings where the formula is exact.
 
 Usage: ``python stage3_traffic.py`` on every rank. For each scenario (precision,
-persistence threshold, reuse distance) a fresh engine trains the same stack of LayerNorm +
+persistence threshold, reuse distance, live window) a fresh engine trains the same stack of LayerNorm +
 bias-free Linear(64, 64) blocks for three steps; the report holds the last step's ledger
 (engine.comm_report()) and the model's parameter counts split the way the engine's rule
 splits them (a parameter with fewer elements than the threshold is persistent), counted
@@ -19,14 +19,32 @@ from zero_core.testing import leave_rank, report
 
 WIDTH, BLOCKS, MICRO = 64, 4, 2
 
+BLOCK = WIDTH * WIDTH + 2 * WIDTH    # one LayerNorm + Linear: one fetch unit
 SCENARIOS = {
-    # name: (precision, stage3_param_persistence_threshold, stage3_max_reuse_distance)
-    "regather-fp32": ("fp32", 0, 0),
-    "regather-bf16": ("bf16", 0, 0),
-    "keep-fp32": ("fp32", 0, 10**9),
-    "persistent-norms-fp32": ("fp32", 100, 0),
-    "all-persistent-bf16": ("bf16", 10**6, 0),
+    # name: (precision, stage3_param_persistence_threshold, stage3_max_reuse_distance,
+    #        stage3_max_live_parameters)
+    "regather-fp32": ("fp32", 0, 0, 2 * BLOCK),
+    "regather-bf16": ("bf16", 0, 0, 2 * BLOCK),
+    "one-unit-window-fp32": ("fp32", 0, 0, BLOCK),
+    "window-keeps-all-fp32": ("fp32", 0, 0, 10**9),
+    "keep-fp32": ("fp32", 0, 10**9, 10**9),
+    "persistent-norms-fp32": ("fp32", 100, 0, 2 * WIDTH * WIDTH),
+    "all-persistent-bf16": ("bf16", 10**6, 0, 10**9),
 }
+
+
+def kept_for_backward(blocks: list[int], max_live: int) -> int:
+    """Gathered elements the forward leaves gathered for the backward (the rule stated
+    independently of the coordinator): the last block, whose next use is the backward's
+    first request; before it, going back, each block while the live window holds it with
+    the ones after it, since the prefetcher would gather those again before their next
+    use anyway."""
+    kept = blocks[-1] if blocks else 0
+    for n in reversed(blocks[:-1]):
+        if kept + n > max_live:
+            break
+        kept += n
+    return kept
 
 
 def build() -> torch.nn.Module:
@@ -36,7 +54,7 @@ def build() -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def run(precision: str, threshold: int, reuse: int) -> dict:
+def run(precision: str, threshold: int, reuse: int, max_live: int) -> dict:
     torch.manual_seed(0)
     model = build()
     params = list(model.parameters())
@@ -45,6 +63,7 @@ def run(precision: str, threshold: int, reuse: int) -> dict:
            # reduce_bucket_size caps a fetch unit: one LayerNorm + Linear block each
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold,
                                  "stage3_max_reuse_distance": reuse,
+                                 "stage3_max_live_parameters": max_live,
                                  "reduce_bucket_size": WIDTH * WIDTH}}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -61,9 +80,9 @@ def run(precision: str, threshold: int, reuse: int) -> dict:
            "persistent_elements": sum(p.numel() for p in params if p.numel() < threshold),
            "gathered_elements": sum(p.numel() for p in params if p.numel() >= threshold),
            "trainable_elements": sum(p.numel() for p in params),
-           # the last block's gathered parameters: used last in forward, first in backward
-           "last_block_elements": sum(p.numel() for p in model[-2:].parameters()
-                                      if p.numel() >= threshold),
+           "kept_elements": kept_for_backward(
+               [sum(p.numel() for p in model[i:i + 2].parameters() if p.numel() >= threshold)
+                for i in range(0, len(model), 2)], max_live),
            "unit_numel": sum(u.numel for u in engine.units),
            "unit_padded_numel": sum(u.padded_numel for u in engine.units),
            "units": len(engine.units),

@@ -2,8 +2,13 @@
 
 * forward: a module's pre-hook requests its units (gathered before it runs, then the
   next recorded units are prefetched); its post-hook releases each unit no running
-  module uses, unless the unit is persistent, pinned, or reused within
-  ``stage3_max_reuse_distance`` elements while the live window allows;
+  module uses, unless the unit is persistent, pinned, reused within
+  ``stage3_max_reuse_distance`` elements while the live window allows, or one the
+  prefetcher would gather again before its next use anyway (``_regathered_anyway``:
+  within its reach, with room in the live window for it and everything requested
+  before). Releasing such a unit frees no memory the window would not fill again and
+  costs one all-gather: at the end of a forward the units that open the backward are
+  the ones it keeps, as DeepSpeed's coordinator does (issue 17 §2);
 * backward: a hook on the module's outputs requests its units again before the module's
   backward; a unit is released as soon as every trainable parameter in it has delivered
   its gradient (the gradient reducer says so), and whatever is left at the end of
@@ -148,7 +153,29 @@ class ParamCoordinator:
             if (distance is not None and distance <= self.max_reuse
                     and self.gatherer.live_numel <= self.max_live):
                 continue
+            if self._regathered_anyway(u):
+                continue
             self.gatherer.release(u)
+
+    def _regathered_anyway(self, u: FetchUnit) -> bool:
+        """Would the prefetcher gather *u* (gathered, not persistent) again before its next
+        use if it were released now? True when that use is within the prefetcher's reach
+        (LOOKAHEAD requests, prefetch_bucket_size elements counted as _prefetch counts
+        them) and the live window holds u together with every released unit requested
+        before it, so that keeping u delays no nearer prefetch."""
+        t = self.trace
+        at = t.next_use(u.index)
+        if at is None or at >= t.lookahead_end() or self.prefetch_bucket_size <= 0:
+            return False
+        if self._ahead[at + 1] - self._ahead[t.pos] > self.prefetch_bucket_size:
+            return False
+        need, counted = self.gatherer.live_numel, set()
+        for idx in t.recorded[t.pos:at]:
+            v = self.units[idx]
+            if v.released and not v.persistent and idx not in counted:
+                counted.add(idx)
+                need += v.padded_numel
+        return need <= self.max_live
 
     def grads_done(self, u: FetchUnit) -> None:
         """Every trainable parameter of *u* delivered its gradient in this backward."""
