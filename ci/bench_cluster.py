@@ -15,6 +15,8 @@ between ranks of one node is not shaped). The table shows, per (rate, variant):
   link-bound   the step time the link alone would impose: the busier direction's bytes per
                step divided by the rate
   speed-up     the first variant's median step time over this one's, at the same rate
+  fwd/bwd/opt  median over timed steps of the ranks' mean forward, backward and optimizer
+               step seconds, when the worker reports ``phase_times_s``
 
 Worker protocol (how the real engine worker plugs in): the worker is a Python file run
 on every rank with ``--variant NAME --steps S --warmup W`` plus ``--worker-args``; it
@@ -88,6 +90,10 @@ def summarize(reports: list[dict], rate_bps: int | None) -> dict:
         "link_bytes_per_rank_step": sum(link) / steps / world if len(link) == NUM_NODES else None,
         "link_bound_s": (max(link) / steps / (rate_bps / 8)
                          if len(link) == NUM_NODES and rate_bps else None),
+        "phase_s_median": ({name: statistics.median(
+            statistics.mean(r["phase_times_s"][name][i] for r in reports) for i in range(steps))
+            for name in reports[0]["phase_times_s"]}
+            if all(r.get("phase_times_s") for r in reports) else None),
     }
     return row
 
@@ -95,26 +101,28 @@ def summarize(reports: list[dict], rate_bps: int | None) -> dict:
 def markdown(rows: list[dict]) -> str:
     """The results as a markdown table (rows in run order)."""
     head = ("| rate | variant | step ms (median) | p10-p90 ms | inter-node MB/rank/step (ledger) "
-            "| link MB/rank/step (veth) | link-bound ms | speed-up |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|"]
+            "| link MB/rank/step (veth) | link-bound ms | speed-up | fwd/bwd/opt s |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     base = {}
     for row in rows:
         key = row["rate"]
         if "error" in row:
             lines.append(f"| {row['rate']} | {row['variant']} | failed: {row['error'][:80]} "
-                         f"| | | | | |")
+                         f"| | | | | | |")
             continue
         base.setdefault(key, row["step_s_median"])
         link = row["link_bytes_per_rank_step"]
         bound = row["link_bound_s"]
         ledger = row["ledger_inter_node_bytes_per_rank_step"]
+        phases = row.get("phase_s_median")
         lines.append(
             f"| {row['rate']} | {row['variant']} | {row['step_s_median'] * 1e3:.1f} "
             f"| {row['step_s_p10'] * 1e3:.1f}-{row['step_s_p90'] * 1e3:.1f} "
             f"| {'n/a' if ledger is None else f'{ledger / MB:.2f}'} "
             f"| {'n/a' if link is None else f'{link / MB:.2f}'} "
             f"| {'n/a' if bound is None else f'{bound * 1e3:.1f}'} "
-            f"| {base[key] / row['step_s_median']:.2f}x |")
+            f"| {base[key] / row['step_s_median']:.2f}x "
+            f"| {'n/a' if not phases else '/'.join(f'{v:.2f}' for v in phases.values())} |")
     return "\n".join(lines)
 
 

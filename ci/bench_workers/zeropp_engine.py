@@ -133,11 +133,20 @@ def main() -> None:
     seq = a.seq or model.cfg.block_size
     sampler = GlobalBatchSampler(tokens, seq, a.micro, engine.world_size, seed=0)
 
+    phases = {"forward": [], "backward": [], "step": []}   # seconds per timed step
+
     def step(i: int) -> float:
         x, y = sampler.rank_batch(i, engine.global_rank)
+        t0 = time.perf_counter()
         loss = lm_loss(engine(x), y)
+        t1 = time.perf_counter()
         engine.backward(loss)
+        t2 = time.perf_counter()
         engine.step()
+        t3 = time.perf_counter()
+        if i >= a.warmup:
+            for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+                phases[name].append(seconds)
         return float(loss)
 
     losses = [step(i) for i in range(a.warmup)]
@@ -155,7 +164,7 @@ def main() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     report({"rank": engine.global_rank, "variant": a.variant, "model": a.model,
             "params": engine.num_parameters, "world_size": engine.world_size,
-            "ranks_per_node": ranks_per_node, "step_times_s": times,
+            "ranks_per_node": ranks_per_node, "step_times_s": times, "phase_times_s": phases,
             "ledger": (comm.ledger.difference(comm.ledger.snapshot(), ledger0)
                        if comm is not None else None),
             "link_tx_bytes": (link1 - link0 if link0 is not None and link1 is not None
