@@ -73,3 +73,32 @@ def test_stage3_step_sends_exactly_the_formula(where):
             if r["persistent_elements"] == 0:
                 bound = comm_bytes_per_step(3, r["trainable_elements"], n, precision)
                 assert gathered + reduced == bound - kept * b * share, name
+
+
+def test_the_planner_keeps_what_the_engine_keeps():
+    """zero-core plan's count of units left gathered for the backward
+    (plan/memory.kept_for_backward) on the worker's block model, for every scenario the
+    engine test above measures: the planner's traffic is the engine's."""
+    import dataclasses
+    import importlib.util
+
+    from zero_core.plan import memory as plan_memory
+    spec = importlib.util.spec_from_file_location("stage3_traffic_worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    base = plan_memory.default_sizes()
+    for name, (_, threshold, reuse, max_live) in worker.SCENARIOS.items():
+        # a block: the Linear's weight and the LayerNorm's two WIDTH-element parameters,
+        # each persistent when smaller than the threshold
+        linear = worker.WIDTH * worker.WIDTH
+        block = linear + (2 * worker.WIDTH if worker.WIDTH >= threshold else 0)
+        units = ((block, False),) * worker.BLOCKS if linear >= threshold else ()
+        sizes = dataclasses.replace(base, persistence_threshold=threshold,
+                                    max_reuse_distance=reuse, max_live_parameters=max_live)
+        assert plan_memory.kept_for_backward(units, sizes) == KEPT_BLOCKS[name], name
+    # no prefetch: only the unit whose next use is the very next request stays
+    sizes = dataclasses.replace(base, max_reuse_distance=0, prefetch_bucket_size=0)
+    assert plan_memory.kept_for_backward(((100, False),) * 4, sizes) == 1
+    # the prefetcher's reach counts the later units twice (forward and backward requests)
+    sizes = dataclasses.replace(base, max_reuse_distance=0, prefetch_bucket_size=300)
+    assert plan_memory.kept_for_backward(((100, False),) * 4, sizes) == 2

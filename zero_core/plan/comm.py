@@ -8,7 +8,8 @@ node everything is intra-node. Sources, so that each figure has one definition:
 
 - stages 0–2: ``zero_core.memory.comm_bytes_per_step`` on the padded layout;
 - stage 3: ``zero_core.zeropp.volume.zero3_inter_node_bytes`` on the engine's fetch units
-  (persistent units are gathered once per step, the others in forward and backward);
+  (persistent units are gathered once per step, the others in forward and again in
+  backward, but for those the forward leaves gathered: ``Layout.kept_for_backward``);
 - ZeRO++ (qwZ + hpZ + qgZ, several nodes): ``zeropp_inter_node_bytes`` for what crosses
   nodes; what stays in the node is hpZ's backward all-gather, (H-1)·P/H elements per
   non-persistent unit, and qgZ's first hop, (R-1) int4 slots of K chunks per unit — an
@@ -42,7 +43,7 @@ def collective_bytes(lay: Layout, stage: int, world_size: int, ranks_per_node: i
         total = comm_bytes_per_step(stage, lay.padded, n, precision) + norm_allreduce_bytes(n)
         return {"intra": total, "inter": 0} if nodes == 1 else {"intra": 0, "inter": total}
     every = [p for p, _ in lay.units]
-    regathered = [p for p, keep in lay.units if not keep]
+    regathered = lay.regathered
     if not zeropp or nodes == 1:
         total = zero3_inter_node_bytes(every, regathered, every, n, b)
         return {"intra": total, "inter": 0} if nodes == 1 else {"intra": 0, "inter": total}
@@ -72,6 +73,6 @@ def offload_bytes(lay: Layout, states: dict, world_size: int, precision: str,
         # the parameter partitions: read for every gather (as collective_bytes counts
         # them), written once after the step
         every = sum(p for p, _ in lay.units)
-        regathered = sum(p for p, keep in lay.units if not keep)
+        regathered = sum(lay.regathered)
         disk += (every + regathered + every) / world_size * b
     return {"host_device": host_device, "disk": disk}

@@ -40,8 +40,9 @@ pools of 2-rank runs of the bench GPT, whose ledger they then matched exactly):
   parameter straddling two buckets), 3 on the tiny one with 4,000-element buckets
   (tests/test_plan.py) -- a lower bound where gradients arrive far out of bucket order;
 - stage 3: one fp32 bucket for the reduction, plus the gathered parameters: the persistent
-  unit (kept gathered) and the live window, bounded by the largest unit plus one prefetch
-  bucket and by ``stage3_max_live_parameters``.
+  unit (kept gathered) and the live window: the largest unit plus one prefetch bucket, or
+  the units the forward leaves gathered for the backward if more, at most
+  ``stage3_max_live_parameters``.
 
 Offloaded optimizer (``placement``): the host store holds the fp32 master slice (the
 parameters' own fp32 values at fp32: a copy) and the states, plus one fp32 gradient buffer
@@ -76,6 +77,7 @@ class ZeroSizes:
     optimizer_buffer_count: int = 4   # offload_optimizer.buffer_count (nvme slots)
     param_buffer_count: int = 5       # offload_param.buffer_count (nvme staging buffers)
     param_buffer_size: int = 100_000_000
+    max_reuse_distance: int = ZeroConfig.stage3_max_reuse_distance
 
 
 def sizes_from_config(config: dict | None = None) -> ZeroSizes:
@@ -88,7 +90,8 @@ def sizes_from_config(config: dict | None = None) -> ZeroSizes:
     return ZeroSizes(zc.reduce_bucket_size, zc.stage3_prefetch_bucket_size,
                      zc.stage3_param_persistence_threshold, zc.stage3_max_live_parameters,
                      zc.sub_group_size, zc.offload_optimizer.buffer_count,
-                     zc.offload_param.buffer_count, zc.offload_param.buffer_size)
+                     zc.offload_param.buffer_count, zc.offload_param.buffer_size,
+                     zc.stage3_max_reuse_distance)
 
 
 def default_sizes() -> ZeroSizes:
@@ -98,12 +101,45 @@ def default_sizes() -> ZeroSizes:
 @dataclass(frozen=True)
 class Layout:
     """The engine's flat layout of one model at one stage and world size: *padded* elements
-    of trainable parameters, and at stage 3 every unit's (padded elements, persistent)."""
+    of trainable parameters, and at stage 3 every unit's (padded elements, persistent), in
+    forward order, and how many of the last non-persistent ones the forward leaves gathered
+    for the backward (:func:`kept_for_backward`)."""
 
     num_parameters: int
     padded: int
     units: tuple[tuple[int, bool], ...] = ()
     max_bucket: int = 0   # stages 0-2: the largest gradient bucket's elements
+    kept_for_backward: int = 0
+
+    @property
+    def regathered(self) -> list[int]:
+        """Padded elements of the units the backward gathers again (stage 3)."""
+        gathered = [p for p, keep in self.units if not keep]
+        return gathered[:len(gathered) - self.kept_for_backward]
+
+
+def kept_for_backward(units, sizes: ZeroSizes) -> int:
+    """How many of the last non-persistent *units* (padded elements, persistent; forward
+    order) stay gathered from the forward into the backward, by the coordinator's two rules
+    (``stage3/coordinator.py``: reused within ``max_reuse_distance`` elements, or within the
+    prefetcher's reach) for a model that requests each unit once in forward and once in
+    backward, in reverse: after unit j's forward its next use comes after the later units'
+    forward and backward requests, 2·S elements (S: the later units), and keeping it needs
+    the live window to hold it with the later non-persistent units. Several requests per
+    unit (one per module) or a tied weight change the counts: an estimate for those."""
+    kept, later, later_live = 0, 0, 0
+    for numel, persistent in reversed(units):
+        if not persistent:
+            in_window = later_live + numel <= sizes.max_live_parameters
+            reused = 2 * later <= sizes.max_reuse_distance
+            prefetched = (0 < sizes.prefetch_bucket_size
+                          and 2 * later_live + numel <= sizes.prefetch_bucket_size)
+            if not (in_window and (reused or prefetched)):
+                break
+            kept += 1
+            later_live += numel
+        later += numel
+    return kept
 
     @property
     def padding(self) -> int:
@@ -125,7 +161,8 @@ def layout(spec: ModelSpec, stage: int, world_size: int, precision: str,
     target = coalesce_numel(sizes.prefetch_bucket_size, sizes.reduce_bucket_size)
     units, _ = plan_units(model, {id(p): 0 for p in params}, sizes.persistence_threshold, target)
     lay = unit_layout(units, world_size, align)
-    return Layout(psi, lay.padded_numel, tuple((u.padded_numel, u.persistent) for u in units))
+    shapes = tuple((u.padded_numel, u.persistent) for u in units)
+    return Layout(psi, lay.padded_numel, shapes, kept_for_backward=kept_for_backward(shapes, sizes))
 
 
 def model_states(stage: int, elements: float, world_size: int, precision: str,
@@ -169,7 +206,8 @@ def buffer_bytes(lay: Layout, stage: int, precision: str, sizes: ZeroSizes,
         return out
     persistent = sum(p for p, keep in lay.units if keep)
     largest = max((p for p, keep in lay.units if not keep), default=0)
-    window = min(largest + sizes.prefetch_bucket_size, sizes.max_live_parameters,
+    kept = sum(p for p, keep in lay.units if not keep) - sum(lay.regathered)
+    window = min(max(largest + sizes.prefetch_bucket_size, kept), sizes.max_live_parameters,
                  lay.padded - persistent)
     out = {"reduce_bucket": 4 * min(sizes.reduce_bucket_size, lay.padded),
            "persistent_parameters": b * persistent, "live_parameters": b * max(window, 0)}

@@ -5,8 +5,8 @@
   module uses, unless the unit is persistent, pinned, reused within
   ``stage3_max_reuse_distance`` elements while the live window allows, or one the
   prefetcher would gather again before its next use anyway (``_regathered_anyway``:
-  within its reach, with room in the live window for it and everything requested
-  before). Releasing such a unit frees no memory the window would not fill again and
+  within a prefetch bucket, with room in the live window for it and everything
+  requested before). Releasing such a unit frees no memory the window would not fill again and
   costs one all-gather: at the end of a forward the units that open the backward are
   the ones it keeps, as DeepSpeed's coordinator does (issue 17 §2);
 * backward: a hook on the module's outputs requests its units again before the module's
@@ -31,7 +31,7 @@ import torch
 
 from zero_core.stage3 import partitioned_params as pp
 from zero_core.stage3.gather import UnitGatherer
-from zero_core.stage3.prefetch import ExecutionTrace
+from zero_core.stage3.prefetch import LOOKAHEAD, ExecutionTrace
 from zero_core.stage3.units import FetchUnit
 
 
@@ -159,18 +159,26 @@ class ParamCoordinator:
 
     def _regathered_anyway(self, u: FetchUnit) -> bool:
         """Would the prefetcher gather *u* (gathered, not persistent) again before its next
-        use if it were released now? True when that use is within the prefetcher's reach
-        (LOOKAHEAD requests, prefetch_bucket_size elements counted as _prefetch counts
-        them) and the live window holds u together with every released unit requested
-        before it, so that keeping u delays no nearer prefetch."""
+        use if it were released now? True when that use is within prefetch_bucket_size
+        elements (counted as _prefetch counts them) and the live window holds u together
+        with every released unit requested before it, so that keeping u delays no nearer
+        prefetch. The window check first takes every request in between as a new gather
+        (O(1), enough unless the window is nearly full); only then, and only for a use
+        within LOOKAHEAD requests, does it count the released units one by one."""
         t = self.trace
         at = t.next_use(u.index)
-        if at is None or at >= t.lookahead_end() or self.prefetch_bucket_size <= 0:
+        if at is None or self.prefetch_bucket_size <= 0:
             return False
-        if self._ahead[at + 1] - self._ahead[t.pos] > self.prefetch_bucket_size:
+        ahead, pos = self._ahead, t.pos
+        if ahead[at + 1] - ahead[pos] > self.prefetch_bucket_size:
             return False
-        need, counted = self.gatherer.live_numel, set()
-        for idx in t.recorded[t.pos:at]:
+        live = self.gatherer.live_numel
+        if live + ahead[at] - ahead[pos] <= self.max_live:
+            return True
+        if at - pos > LOOKAHEAD:
+            return False
+        need, counted = live, set()
+        for idx in t.recorded[pos:at]:
             v = self.units[idx]
             if v.released and not v.persistent and idx not in counted:
                 counted.add(idx)
