@@ -14,6 +14,7 @@ and input bytes of every collective on rank 0:
 * ``zero-core, reuse 0`` and ``zero-core, reuse 1e9``: zero-core's ZeRO-3, from its ledger.
 
     python ci/count_collectives.py            # about 4 minutes on 2 cores
+    python ci/count_collectives.py --max-live 5000000   # the live window below the model
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def count_deepspeed_calls(counts: dict, phase: list) -> None:
             wrap(name)
 
 
-def rank_main(variant: str, max_reuse: int) -> None:
+def rank_main(variant: str, max_reuse: int, max_live: int) -> None:
     """One rank: build the worker's engine, step twice, report rank 0's counts."""
     import argparse as ap
     counts: dict = collections.defaultdict(lambda: [0, 0])
@@ -68,7 +69,7 @@ def rank_main(variant: str, max_reuse: int) -> None:
     from text_data import GlobalBatchSampler, load_stdlib_text
     from zero_core.testing import report
     a = ap.Namespace(model="bench", micro=2, seq=None, lr=1e-3, max_reuse=max_reuse,
-                     persistence=100_000)
+                     persistence=100_000, max_live=max_live)
     model = build_model(a.model, seed=1234)
     if variant == "deepspeed-3":
         engine = worker.DeepSpeedRun(model, a)
@@ -115,10 +116,13 @@ def describe(rows: dict) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--max-live", type=int, default=10**9,
+                   help="stage3_max_live_parameters for every variant (default 1e9; the "
+                        "model's 20M elements fit)")
     p.add_argument("--rank-worker", nargs=2, metavar=("VARIANT", "MAX_REUSE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank_worker:
-        rank_main(args.rank_worker[0], int(args.rank_worker[1]))
+        rank_main(args.rank_worker[0], int(args.rank_worker[1]), args.max_live)
         return 0
     sys.path.insert(0, HERE)
     import bench_engine as be
@@ -135,7 +139,8 @@ def main() -> int:
             print(f"| {label} | skipped: {skip_deepspeed} | | |", flush=True)
             continue
         results = run_ranks(os.path.abspath(__file__), 4, "torchrun",
-                            args=["--rank-worker", variant, reuse], env=env, timeout=900)
+                            args=["--rank-worker", variant, reuse, "--max-live", args.max_live],
+                            env=env, timeout=900)
         cells = describe(results[0].report["rows"])
         print(f"| {label} | {cells['forward']} | {cells['backward']} | {cells['step']} |",
               flush=True)
