@@ -207,10 +207,16 @@ def test_the_zero_papers_figure_1():
 def test_zeropp_sends_at_least_four_times_less_across_nodes():
     # ZeRO++ paper: per rank and step ZeRO-3 moves 3M across nodes, ZeRO++ 0.75M (M: the
     # 16-bit model's bytes). On 512 ranks the (N-1)/N factors are ~1 and the exact
-    # accounting lands at or below the paper's 0.75M (its qgZ term counts a node's whole M/4)
+    # accounting lands at or below the paper's 0.75M (its qgZ term counts a node's whole M/4).
+    # The paper's ZeRO-3 gathers every unit again in backward: a live window smaller than
+    # any unit, so that the forward leaves nothing gathered
+    import dataclasses
     spec = model.from_dims(layers=12, hidden=1024, vocab=50304, seq=1024)
     cluster = clusters.gpu_cluster(512)
-    lay = plan_memory.layout(spec, 3, 512, "bf16")
+    paper = dataclasses.replace(plan_memory.default_sizes(), max_reuse_distance=0,
+                                max_live_parameters=1)
+    lay = plan_memory.layout(spec, 3, 512, "bf16", paper)
+    assert lay.kept_for_backward == 0
     m = 2 * lay.padded
     zero3 = plan_comm.collective_bytes(lay, 3, 512, 8, "bf16")
     zeropp = plan_comm.collective_bytes(lay, 3, 512, 8, "bf16", zeropp=True)
@@ -218,6 +224,12 @@ def test_zeropp_sends_at_least_four_times_less_across_nodes():
     assert 0.5 * m < zeropp["inter"] <= 0.75 * m
     assert zero3["inter"] / zeropp["inter"] >= 4
     assert zeropp["intra"] > 0   # hpZ's backward gather stays in the node
+    # with the default sizes (reuse distance and live window 1e9) the forward leaves the
+    # whole model gathered for the backward: two gathers, not three
+    whole = plan_memory.layout(spec, 3, 512, "bf16")
+    assert whole.regathered == []
+    assert plan_comm.collective_bytes(whole, 3, 512, 8, "bf16")["inter"] == \
+        pytest.approx(2 * m, rel=0.01)
     ranked = planner.plan(spec, cluster)
     assert planner.recommended(ranked).zeropp
 

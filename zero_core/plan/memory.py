@@ -117,6 +117,10 @@ class Layout:
         gathered = [p for p, keep in self.units if not keep]
         return gathered[:len(gathered) - self.kept_for_backward]
 
+    @property
+    def padding(self) -> int:
+        return self.padded - self.num_parameters
+
 
 def kept_for_backward(units, sizes: ZeroSizes) -> int:
     """How many of the last non-persistent *units* (padded elements, persistent; forward
@@ -140,10 +144,6 @@ def kept_for_backward(units, sizes: ZeroSizes) -> int:
             later_live += numel
         later += numel
     return kept
-
-    @property
-    def padding(self) -> int:
-        return self.padded - self.num_parameters
 
 
 def layout(spec: ModelSpec, stage: int, world_size: int, precision: str,
