@@ -2,11 +2,11 @@
 wire in one optimizer step, by the ledger, for settings where the formula is exact.
 
 Usage: ``python stage3_traffic.py`` on every rank. For each scenario (precision,
-persistence threshold, reuse distance, live window) a fresh engine trains the same stack of LayerNorm +
-bias-free Linear(64, 64) blocks for three steps; the report holds the last step's ledger
-(engine.comm_report()) and the model's parameter counts split the way the engine's rule
-splits them (a parameter with fewer elements than the threshold is persistent), counted
-here from the model, not from the engine. Sizes are multiples of 128 elements, so that no
+persistence threshold, reuse distance, live window) a fresh engine trains the same stack
+of LayerNorm + bias-free Linear(64, 64) blocks for three steps; the report holds the last
+step's ledger (engine.comm_report()) and the model's parameter counts split the way the
+engine's rule splits them (a parameter with fewer elements than the threshold is
+persistent), counted here from the model, not from the engine. Sizes are multiples of 128 elements, so that no
 unit is padded at 2 or 4 ranks in fp32 or bf16 (64-byte alignment); the report includes
 the engine's padded and unpadded unit sizes so that the test can hold it to that.
 """

@@ -111,11 +111,21 @@ class Layout:
     max_bucket: int = 0   # stages 0-2: the largest gradient bucket's elements
     kept_for_backward: int = 0
 
+    def _gathered_split(self) -> tuple[list[int], list[int]]:
+        """The non-persistent units' padded elements: (gathered again in backward, kept)."""
+        gathered = [p for p, keep in self.units if not keep]
+        cut = len(gathered) - self.kept_for_backward
+        return gathered[:cut], gathered[cut:]
+
     @property
     def regathered(self) -> list[int]:
         """Padded elements of the units the backward gathers again (stage 3)."""
-        gathered = [p for p, keep in self.units if not keep]
-        return gathered[:len(gathered) - self.kept_for_backward]
+        return self._gathered_split()[0]
+
+    @property
+    def kept(self) -> list[int]:
+        """Padded elements of the units the forward leaves gathered for the backward."""
+        return self._gathered_split()[1]
 
     @property
     def padding(self) -> int:
@@ -206,8 +216,8 @@ def buffer_bytes(lay: Layout, stage: int, precision: str, sizes: ZeroSizes,
         return out
     persistent = sum(p for p, keep in lay.units if keep)
     largest = max((p for p, keep in lay.units if not keep), default=0)
-    kept = sum(p for p, keep in lay.units if not keep) - sum(lay.regathered)
-    window = min(max(largest + sizes.prefetch_bucket_size, kept), sizes.max_live_parameters,
+    window = min(max(largest + sizes.prefetch_bucket_size, sum(lay.kept)),
+                 sizes.max_live_parameters,
                  lay.padded - persistent)
     out = {"reduce_bucket": 4 * min(sizes.reduce_bucket_size, lay.padded),
            "persistent_parameters": b * persistent, "live_parameters": b * max(window, 0)}

@@ -6,9 +6,9 @@
   ``stage3_max_reuse_distance`` elements while the live window allows, or one the
   prefetcher would gather again before its next use anyway (``_regathered_anyway``:
   within a prefetch bucket, with room in the live window for it and everything
-  requested before). Releasing such a unit frees no memory the window would not fill again and
-  costs one all-gather: at the end of a forward the units that open the backward are
-  the ones it keeps, as DeepSpeed's coordinator does (issue 17 §2);
+  requested before). Releasing such a unit frees no memory the window would not fill
+  again and costs one all-gather: at the end of a forward the units that open the
+  backward are the ones it keeps, as DeepSpeed's coordinator does (issue 17 §2);
 * backward: a hook on the module's outputs requests its units again before the module's
   backward; a unit is released as soon as every trainable parameter in it has delivered
   its gradient (the gradient reducer says so), and whatever is left at the end of
@@ -149,25 +149,25 @@ class ParamCoordinator:
             u.exit_forward()
             if not u.releasable or u.released:
                 continue
-            distance = self.trace.reuse_distance(u.index)
-            if (distance is not None and distance <= self.max_reuse
-                    and self.gatherer.live_numel <= self.max_live):
-                continue
-            if self._regathered_anyway(u):
+            at = self.trace.next_use(u.index)
+            if at is not None and (
+                    (self.trace.elements_until(at) <= self.max_reuse
+                     and self.gatherer.live_numel <= self.max_live)
+                    or self._regathered_anyway(at)):
                 continue
             self.gatherer.release(u)
 
-    def _regathered_anyway(self, u: FetchUnit) -> bool:
-        """Would the prefetcher gather *u* (gathered, not persistent) again before its next
-        use if it were released now? True when that use is within prefetch_bucket_size
-        elements (counted as _prefetch counts them) and the live window holds u together
-        with every released unit requested before it, so that keeping u delays no nearer
-        prefetch. The window check first takes every request in between as a new gather
-        (O(1), enough unless the window is nearly full); only then, and only for a use
-        within LOOKAHEAD requests, does it count the released units one by one."""
+    def _regathered_anyway(self, at: int) -> bool:
+        """Would the prefetcher gather a unit (gathered, not persistent) again before its
+        next use, at recorded position *at*, if it were released now? True when that use
+        is within prefetch_bucket_size elements (counted as _prefetch counts them) and the
+        live window holds the unit together with every released unit requested before it,
+        so that keeping it delays no nearer prefetch. The window check first takes every
+        request in between as a new gather (O(1), enough unless the window is nearly
+        full); only then, and only for a use within LOOKAHEAD requests, does it count the
+        released units one by one."""
         t = self.trace
-        at = t.next_use(u.index)
-        if at is None or self.prefetch_bucket_size <= 0:
+        if self.prefetch_bucket_size <= 0:
             return False
         ahead, pos = self._ahead, t.pos
         if ahead[at + 1] - ahead[pos] > self.prefetch_bucket_size:

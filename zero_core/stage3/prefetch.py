@@ -113,4 +113,8 @@ class ExecutionTrace:
         """Elements requested between now and *unit*'s next recorded use; None if it is
         not used again in this pass (or the pass does not follow a recording)."""
         at = self.next_use(unit)
-        return None if at is None else self._cum[at] - self._cum[self.pos]
+        return None if at is None else self.elements_until(at)
+
+    def elements_until(self, at: int) -> int:
+        """Elements of the recorded requests from now up to position *at* (exclusive)."""
+        return self._cum[at] - self._cum[self.pos]
