@@ -353,7 +353,6 @@ NOT_IMPLEMENTED_CASES = [
     ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
      "compression_training"),
     ({"data_efficiency": {"enabled": True}}, "data_efficiency"),
-    ({"hybrid_engine": {"enabled": True}}, "hybrid_engine"),
 ]
 
 

@@ -11,7 +11,11 @@ Public API (DeepSpeed-compatible names)::
         ...                                    # read/modify full parameters
 
 Errors zero-core raises on purpose derive from ``zero_core.ZeroCoreError`` (config problems:
-``ConfigError``; ``NonFiniteGradientError``, ``RankDisagreementError``).
+``ConfigError``; ``NonFiniteGradientError``, ``RankDisagreementError``,
+``GenerationDivergedError``).
+
+Generation inside training loops (RLHF, GRPO): ``engine.generate(...)`` and
+``zero_core.gathered_for_generation(engine)`` (docs/GENERATION.md).
 """
 from zero_core.version import __version__  # noqa: F401
 
@@ -22,6 +26,8 @@ from zero_core.errors import ConfigError, ZeroCoreError  # noqa: E402,F401
 from zero_core.optim.nonfinite import NonFiniteGradientError  # noqa: E402,F401
 from zero_core.runtime.agreement import RankDisagreementError  # noqa: E402,F401
 from zero_core.factory import initialize  # noqa: E402,F401
+from zero_core.generation.generate import gathered_for_generation  # noqa: E402,F401
+from zero_core.stage3.generation_cache import GenerationDivergedError  # noqa: E402,F401
 from zero_core.runtime.context import get_runtime, init_distributed  # noqa: E402,F401
 from zero_core.stage0to2.engine import ZeroEngine  # noqa: E402,F401
 from zero_core.stage3 import (GatheredParameters, Init, ParameterNotGatheredError,  # noqa: E402,F401

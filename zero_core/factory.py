@@ -18,7 +18,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, mpu=None, dist_init_required=None,
                collate_fn=None, config=None, config_params=None):
     """Build a :class:`ZeroEngine`; returns ``(engine, optimizer, None, lr_scheduler)`` like
-    ``deepspeed.initialize``. *config*: dict, path to a JSON file, or Config."""
+    ``deepspeed.initialize``. *config*: dict, path to a JSON file, or Config. With no
+    optimizer (neither optimizer= nor an 'optimizer' section) the engine is an inference
+    engine, as DeepSpeed-Chat builds its frozen models: forward only, ``optimizer`` None."""
     install_failure_report()  # first: a config error below is printed once per job, too
     if model is None:
         raise ConfigError("initialize() needs model=<torch.nn.Module>")
@@ -37,9 +39,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     runtime = init_distributed(cfg.accelerator, cfg.comm_backend, cfg.comm_timeout,
                                cfg.topology.ranks_per_node)
     single_process_notice(runtime.launch, enabled=cfg.safety.launcher_notice)
-    if cfg.optimizer is None and optimizer is None:
-        raise ConfigError("no optimizer: add an 'optimizer' section to the config (e.g. "
-                          "{'type': 'AdamW', 'params': {'lr': 1e-3}}) or pass optimizer=")
     if cfg.optimizer is not None and optimizer is not None:
         raise ConfigError("an 'optimizer' section in the config and optimizer= were both "
                           "given; keep one")

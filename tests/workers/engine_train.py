@@ -193,11 +193,14 @@ def bad_inputs():
         out["differs"] = None
     except zero_core.errors.ZeroCoreError as e:
         out["differs"] = str(e)
+    # no optimizer: an inference engine, whose step names what is missing
+    model = make_model(5)
+    engine, optimizer, _, _ = zero_core.initialize(model=model, config=cfg)
+    out["no_optimizer_is_none"] = optimizer is None
     try:
-        model = make_model(5)
-        zero_core.initialize(model=model, config=cfg)
+        engine.step()
         out["no_optimizer"] = None
-    except zero_core.errors.ConfigError as e:
+    except zero_core.errors.ZeroCoreError as e:
         out["no_optimizer"] = str(e)
     return out
 

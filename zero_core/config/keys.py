@@ -183,6 +183,20 @@ safety.check_batch_sizes (zero-core)                              true          
                                                                                 first tensor given to engine(...))
 safety.launcher_notice (zero-core)                                true          bool; one line when no launcher started
                                                                                 the job (also ZERO_CORE_QUIET=1)
+generation.max_live_parameters (zero-core)                        null          elements >= 0 that stage 3 keeps gathered
+                                                                                across forwards without autograd (decode
+                                                                                steps); null = stage3_max_live_parameters
+hybrid_engine.enabled                                             false         bool; engine.generate gathers as
+                                                                                pin_parameters says (docs/GENERATION.md)
+hybrid_engine.max_out_tokens                                      512           >= 1; engine.generate refuses prompts +
+                                                                                new tokens above it
+hybrid_engine.inference_tp_size                                   1             1 (tensor parallelism is refused)
+hybrid_engine.release_inference_cache                             false         bool; free the gathered copies when
+                                                                                generate returns (else at training)
+hybrid_engine.pin_parameters                                      true          bool; gather the whole model once per
+                                                                                generate (false: within the budget)
+hybrid_engine.tp_gather_partition_size                            8             >= 1; layers per gather with tensor
+                                                                                parallelism (no effect at tp size 1)
 ================================================================  ============  ==========================================
 
 Accepted without effect (``NO_EFFECT_KEYS``, any value): DeepSpeed keys that tune only speed,
@@ -224,7 +238,8 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
          "communication_data_type", "prescale_gradients", "gradient_predivide_factor",
          "data_types", "torch_autocast", "checkpoint",
          "tensorboard", "csv_monitor", "wandb", "comet",
-         "accelerator", "comm_backend", "comm_timeout", "topology", "safety"),
+         "accelerator", "comm_backend", "comm_timeout", "topology", "safety", "generation",
+         "hybrid_engine"),
     "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "auto_cast"),
     "bf16": ("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states",
@@ -266,6 +281,9 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
     "comet": ("enabled", "samples_log_interval", "project", "workspace", "api_key",
               "experiment_name", "experiment_key", "online", "mode"),
     "topology": ("ranks_per_node",),
+    "generation": ("max_live_parameters",),
+    "hybrid_engine": ("enabled", "max_out_tokens", "inference_tp_size", "release_inference_cache",
+                      "pin_parameters", "tp_gather_partition_size"),
     "safety": ("nonfinite_gradients", "max_consecutive_skips", "check_ranks_agree",
                "check_batch_sizes", "launcher_notice"),
     "activation_checkpointing": ("partition_activations", "cpu_checkpointing",
@@ -336,7 +354,6 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
         "quantize_training": "quantization-aware training",
         "weight_quantization": "weight quantization",
         "sparse_attention": "sparse attention kernels",
-        "hybrid_engine": "the RLHF hybrid engine",
         "nebula": "Nebula checkpointing",
         "compile": "torch.compile / DeepCompile integration",
         "memory_breakdown": "memory breakdown logging",
@@ -439,7 +456,7 @@ NEUTRAL_VALUES: dict[str, Any] = {
 # defaults each of these switches to off, so a section with none of them asks for nothing.
 _SWITCHABLE_SECTIONS = frozenset({
     "flops_profiler",
-    "comms_logger", "elasticity", "autotuning", "hybrid_engine", "expert_parallel", "amp",
+    "comms_logger", "elasticity", "autotuning", "expert_parallel", "amp",
     "eigenvalue", "progressive_layer_drop", "curriculum_learning", "nebula", "compile",
     "tensor_parallel", "compression_training", "data_efficiency", "quantize_training",
     "weight_quantization",

@@ -26,10 +26,10 @@ from zero_core.config.keys import (_OPTIMIZERS_NOT_YET, _SCHEDULERS_NOT_YET, MAX
 from zero_core.config.monitors import parse_monitors
 from zero_core.config.precision import parse_precision
 from zero_core.config.schema import (NONFINITE_ACTIONS, ActivationCheckpointingConfig,
-                                     BF16Config, CheckpointConfig, Config,
-                                     OffloadOptimizerConfig, OffloadParamConfig,
-                                     OptimizerConfig, SafetyConfig, SchedulerConfig,
-                                     TopologyConfig, ZeroConfig)
+                                     BF16Config, CheckpointConfig, Config, GenerationConfig,
+                                     HybridEngineConfig, OffloadOptimizerConfig,
+                                     OffloadParamConfig, OptimizerConfig, SafetyConfig,
+                                     SchedulerConfig, TopologyConfig, ZeroConfig)
 from zero_core.errors import ConfigError, ConfigWarning
 
 __all__ = ["parse_config", "parse_activation_checkpointing", "OFFLOAD_DEVICES"]
@@ -372,6 +372,31 @@ def _parse_topology(raw: Any, world_size: int) -> TopologyConfig:
     return TopologyConfig(ranks_per_node=rpn)
 
 
+def _parse_generation(raw: Any) -> GenerationConfig:
+    s = _Section(raw, "generation", "generation")
+    return GenerationConfig(
+        max_live_parameters=s.get("max_live_parameters", None, _optional(_as_int), 0))
+
+
+def _parse_hybrid_engine(raw: Any) -> HybridEngineConfig:
+    """DeepSpeed's ``hybrid_engine``: every key validated, enabled or not (DeepSpeed-Chat
+    writes the whole section with ``enabled: false``); tensor parallelism refused."""
+    s = _Section(raw, "hybrid_engine", "hybrid_engine")
+    cfg = HybridEngineConfig(
+        enabled=s.get("enabled", False, _as_bool),
+        max_out_tokens=s.get("max_out_tokens", 512, _as_int, 1),
+        inference_tp_size=s.get("inference_tp_size", 1, _as_int, 1),
+        release_inference_cache=s.get("release_inference_cache", False, _as_bool),
+        pin_parameters=s.get("pin_parameters", True, _as_bool),
+        tp_gather_partition_size=s.get("tp_gather_partition_size", 8, _as_int, 1))
+    if cfg.enabled and cfg.inference_tp_size > 1:
+        raise _fail("hybrid_engine.inference_tp_size", cfg.inference_tp_size,
+                    "tensor parallelism for generation is not implemented in zero-core (it is "
+                    "data parallel only); set it to 1: generation then runs data parallel on "
+                    "the ZeRO-partitioned model")
+    return cfg
+
+
 def parse_activation_checkpointing(raw: Any) -> ActivationCheckpointingConfig:
     """Validate DeepSpeed's ``activation_checkpointing`` section on its own (a dict or
     None); :func:`parse_config` calls it for the whole config."""
@@ -518,6 +543,8 @@ def parse_config(config: Any = None, world_size: int = 1) -> Config:
         safety=_parse_safety(top.raw.get("safety"),
                              "fp16" if dtypes["fp16"].enabled else
                              "bf16" if dtypes["bf16"].enabled else "fp32", dtypes["bf16"]),
+        generation=_parse_generation(top.raw.get("generation")),
+        hybrid_engine=_parse_hybrid_engine(top.raw.get("hybrid_engine")),
         world_size=world_size,
         **dtypes,
     )

@@ -238,6 +238,33 @@ class SafetyConfig:
 
 
 @dataclass(frozen=True)
+class GenerationConfig:
+    """zero-core's ``generation`` section: ``max_live_parameters`` is the budget, in
+    elements, of fetch units stage 3 keeps gathered across forward passes run without
+    autograd (decode steps); None means ``stage3_max_live_parameters``
+    (docs/GENERATION.md)."""
+
+    max_live_parameters: int | None = None
+
+
+@dataclass(frozen=True)
+class HybridEngineConfig:
+    """DeepSpeed's ``hybrid_engine`` section, as ``engine.generate`` honours it: with
+    ``enabled``, ``pin_parameters`` gathers the whole model once per call (false: within the
+    generation budget), ``release_inference_cache`` frees the gathered copies when generate
+    returns (false: when training resumes), ``max_out_tokens`` bounds prompt plus new
+    tokens. ``inference_tp_size`` must be 1 (no tensor parallelism here), which leaves
+    ``tp_gather_partition_size`` without effect, as in DeepSpeed at tensor-parallel size 1."""
+
+    enabled: bool = False
+    max_out_tokens: int = 512
+    inference_tp_size: int = 1
+    release_inference_cache: bool = False
+    pin_parameters: bool = True
+    tp_gather_partition_size: int = 8
+
+
+@dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     """DeepSpeed's ``activation_checkpointing`` section (ZeRO-R), used by
     :func:`zero_core.checkpointing.configure`. ``number_checkpoints`` is how many
@@ -285,6 +312,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # the four monitor sections
     safety: SafetyConfig = field(default_factory=SafetyConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
     world_size: int = 1  # the data-parallel world size the batch sizes were resolved for
 
     @property
@@ -344,6 +373,8 @@ class Config:
                     else list(self.torch_autocast.lower_precision_safe_modules))},
             "checkpoint": dataclasses.asdict(self.checkpoint),
             "safety": dataclasses.asdict(self.safety),
+            "generation": dataclasses.asdict(self.generation),
+            "hybrid_engine": dataclasses.asdict(self.hybrid_engine),
             **{name: dataclasses.asdict(getattr(self.monitor, name))
                for name in ("tensorboard", "csv_monitor", "wandb", "comet")},
         }

@@ -90,13 +90,27 @@ class ZeroEngine(torch.nn.Module):
         self.state_dtype = torch.bfloat16 if config.bf16.bf16_optimizer_states else torch.float32
 
         optimizer = self._resolve_user_optimizer(optimizer, model_parameters, model)
-        rule = (rule_from_torch_optimizer(optimizer, self.stage) if optimizer is not None
-                else rule_from_config(config.optimizer))
-        groups = collect_param_groups(model, model_parameters, optimizer)
+        # no optimizer at all: an inference engine (DeepSpeed-Chat's frozen reference and
+        # reward models): forward only, every parameter frozen, no optimizer state
+        self.inference_only = optimizer is None and config.optimizer is None
+        groups = ([] if self.inference_only
+                  else collect_param_groups(model, model_parameters, optimizer))
 
         self._prepare_model(model)
         self._build_buffers(model, groups)
+        self.optimizer = self.reducer = self.loss_scaler = self.lr_scheduler = None
+        self._rule = None
+        if not self.inference_only:
+            self._build_training_parts(optimizer, groups, lr_scheduler)
+        self._comm_mark = self.comm.ledger.snapshot()
+        self._last_comm = CommLedger.difference(self._comm_mark, self._comm_mark)
 
+    def _build_training_parts(self, optimizer, groups, lr_scheduler) -> None:
+        """The optimizer over the partitions, the gradient reducer, loss scaler, non-finite
+        guard and LR scheduler (an inference engine has none of them)."""
+        config, runtime = self.config, self.runtime
+        rule = (rule_from_torch_optimizer(optimizer, self.stage) if optimizer is not None
+                else rule_from_config(config.optimizer))
         hyper_groups = optimizer.param_groups if optimizer is not None else groups
         if config.zero_optimization.offload_optimizer.enabled:
             # master weights and optimizer states in host memory or files (zero_core/offload)
@@ -114,8 +128,6 @@ class ZeroEngine(torch.nn.Module):
         self._nonfinite = NonFiniteGuard(config.safety.nonfinite_gradients,
                                          config.safety.max_consecutive_skips, config.precision)
         self.lr_scheduler = self._resolve_scheduler(lr_scheduler)
-        self._comm_mark = self.comm.ledger.snapshot()
-        self._last_comm = CommLedger.difference(self._comm_mark, self._comm_mark)
 
     # ---- construction ---------------------------------------------------------------------
     @staticmethod
@@ -158,7 +170,7 @@ class ZeroEngine(torch.nn.Module):
             ps.sort(key=lambda p: -self._registration[id(p)])
             per_group.append(ps)
             trainable_ids.update(id(p) for p in ps)
-        if not trainable_ids:
+        if not trainable_ids and not self.inference_only:
             raise ConfigError("no trainable parameters: every parameter passed has "
                               "requires_grad=False (or model_parameters is empty)")
         values = [[p.detach().float() for p in ps] for ps in per_group]
@@ -238,6 +250,7 @@ class ZeroEngine(torch.nn.Module):
         ``retain_graph=True`` on the first call the second raises torch's "backward through
         the graph a second time" error (the gradients of the first stay); with it the
         gradients add up, so the update equals one backward of the summed losses."""
+        self._require_training("engine.backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ZeroCoreError("engine.backward(loss) needs a scalar loss tensor; reduce it "
                                 "first (e.g. loss.mean())")
@@ -284,6 +297,7 @@ class ZeroEngine(torch.nn.Module):
 
     def step(self) -> None:
         """End of a micro-step: apply the update at gradient-accumulation boundaries."""
+        self._require_training("engine.step")
         if self.is_gradient_accumulation_boundary():
             if not self._backward_since_update:
                 raise ZeroCoreError(
@@ -411,8 +425,17 @@ class ZeroEngine(torch.nn.Module):
         self._last_comm = CommLedger.difference(now, self._comm_mark)
         self._comm_mark = now
 
+    def _require_training(self, what: str) -> None:
+        if self.inference_only:
+            raise ZeroCoreError(
+                f"{what}: this engine was built without an optimizer, as an inference engine "
+                f"(forward only, e.g. a frozen reference or reward model); pass optimizer= or "
+                f"add an 'optimizer' section to the config to train the model")
+
     def zero_grad(self) -> None:
         """Drop accumulated gradients (the engine does this after every update)."""
+        if self.inference_only:
+            return
         for gb in self._buffers:
             if gb is not None:
                 gb.zero_grads()
@@ -426,6 +449,13 @@ class ZeroEngine(torch.nn.Module):
     def eval(self):
         return self.train(False)
 
+    def generate(self, *args, **kwargs):
+        """Generate with the model's own ``generate`` (Hugging Face's GenerationMixin) as
+        DeepSpeed's hybrid engine does: without autograd, in eval mode, the ``hybrid_engine``
+        section deciding how stage 3 gathers (zero_core/generation/generate.py)."""
+        from zero_core.generation.generate import generate
+        return generate(self, *args, **kwargs)
+
     # ---- reports ------------------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
@@ -433,7 +463,9 @@ class ZeroEngine(torch.nn.Module):
         return float(self.loss_scaler.scale) if self.loss_scaler is not None else 1.0
 
     def get_lr(self) -> list[float]:
-        """Learning rate of every parameter group."""
+        """Learning rate of every parameter group (none for an inference engine)."""
+        if self.optimizer is None:
+            return []
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
@@ -462,7 +494,7 @@ class ZeroEngine(torch.nn.Module):
         formula of ARCHITECTURE §4 for the same model (``formula``; None for optimizers without a known
         per-parameter state size) and the accelerator's allocated/peak bytes."""
         formula = None
-        if self._rule.kind in ("adam", "sgd", "lamb"):
+        if self._rule is not None and self._rule.kind in ("adam", "sgd", "lamb"):
             momentum = any(float(g.get("momentum", 0.0)) for g in self.optimizer.param_groups)
             k = optimizer_k(self._rule.kind, momentum)
             name = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -488,7 +520,8 @@ class ZeroEngine(torch.nn.Module):
 
     def destroy(self) -> None:
         """Remove the backward hooks (the model keeps its current values); close monitors."""
-        self.reducer.remove_hooks()
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
         self.monitor.close()
 
     # ---- checkpoints (checkpoint/engine_state.py: format, resharding; save_load.py) ---------

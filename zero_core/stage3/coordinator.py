@@ -14,7 +14,10 @@
   its gradient (the gradient reducer says so), and whatever is left at the end of
   backward is released;
 * after the optimizer step every unit is released (the partitions changed), persistent
-  ones included; they are gathered again at their first use.
+  ones included; they are gathered again at their first use;
+* passes without autograd (decode steps, evaluation) also keep units across passes, within
+  the generation budget (generation_cache.py); the live window of such a pass is that
+  budget.
 
 Prefetch never lets the live window (gathered or in-flight elements of non-persistent
 units) exceed ``stage3_max_live_parameters``, nor runs more than
@@ -31,6 +34,7 @@ import torch
 
 from zero_core.stage3 import partitioned_params as pp
 from zero_core.stage3.gather import UnitGatherer
+from zero_core.stage3.generation_cache import GenerationCache, agree_on_generation
 from zero_core.stage3.prefetch import LOOKAHEAD, ExecutionTrace
 from zero_core.stage3.units import FetchUnit
 
@@ -39,7 +43,8 @@ class ParamCoordinator:
     """Owns the gather/release decisions for *units* (see module docstring)."""
 
     def __init__(self, units: list[FetchUnit], gatherer: UnitGatherer, prefetch_bucket_size: int,
-                 max_live_parameters: int, max_reuse_distance: int):
+                 max_live_parameters: int, max_reuse_distance: int,
+                 generation_budget: int | None = None):
         self.units = units
         for u in units:
             u.owner = self   # GatheredParameters finds the coordinator through its units
@@ -49,6 +54,12 @@ class ParamCoordinator:
         self.prefetch_bucket_size = prefetch_bucket_size
         self.max_live = max_live_parameters
         self.max_reuse = max_reuse_distance
+        # passes without autograd keep units across passes (generation_cache.py); their
+        # live window is the generation budget instead of max_live
+        self.generation = GenerationCache(
+            units, max_live_parameters if generation_budget is None else generation_budget)
+        self.generating = False
+        self.window = max_live_parameters
         self.trace = ExecutionTrace([u.padded_numel for u in units])
         # the prefetcher's scan (see _prefetch): recorded positions [pos, _scan_pos) were
         # started by an earlier scan of this pass; _ahead[i] = non-persistent elements
@@ -66,6 +77,16 @@ class ParamCoordinator:
     # ---- passes --------------------------------------------------------------------------
     def start_pass(self, key) -> None:
         """*key*: (module.training, autograd enabled) of the root forward starting."""
+        generating = not key[1]
+        gen = self.generation
+        if gen.streaming and self.gatherer.comm.world_size > 1:
+            agree_on_generation(gen, self.gatherer.comm, self.gatherer.device, generating)
+        if generating:
+            gen.passes += 1
+        elif gen.kept or gen.passes:
+            gen.drop(self.units, self.gatherer)   # training resumes in its own window
+        self.generating = generating
+        self.window = gen.window if generating else self.max_live
         self.trace.begin(key)
         self.awaiting_backward = bool(key[1])
         self._scan_pos = 0
@@ -129,7 +150,7 @@ class ParamCoordinator:
                 if ahead[scan + 1] - base > self.prefetch_bucket_size:
                     break
                 if u.released:
-                    if g.live_numel + u.padded_numel > self.max_live:
+                    if g.live_numel + u.padded_numel > self.window:
                         break
                     self.prefetched += 1
             g.start(u)
@@ -149,12 +170,16 @@ class ParamCoordinator:
             u.exit_forward()
             if not u.releasable or u.released:
                 continue
+            if self.generating and self.generation.keeps(u):
+                continue
             at = self.trace.next_use(u.index)
             if at is not None and (
                     (self.trace.elements_until(at) <= self.max_reuse
-                     and self.gatherer.live_numel <= self.max_live)
+                     and self.gatherer.live_numel <= self.window)
                     or self._regathered_anyway(at)):
                 continue
+            if self.generating:
+                self.generation.streaming = True
             self.gatherer.release(u)
 
     def _regathered_anyway(self, at: int) -> bool:
@@ -173,7 +198,7 @@ class ParamCoordinator:
         if ahead[at + 1] - ahead[pos] > self.prefetch_bucket_size:
             return False
         live = self.gatherer.live_numel
-        if live + ahead[at] - ahead[pos] <= self.max_live:
+        if live + ahead[at] - ahead[pos] <= self.window:
             return True
         if at - pos > LOOKAHEAD:
             return False
@@ -183,7 +208,7 @@ class ParamCoordinator:
             if v.released and not v.persistent and idx not in counted:
                 counted.add(idx)
                 need += v.padded_numel
-        return need <= self.max_live
+        return need <= self.window
 
     def grads_done(self, u: FetchUnit) -> None:
         """Every trainable parameter of *u* delivered its gradient in this backward."""
@@ -198,10 +223,19 @@ class ParamCoordinator:
             if not u.released and u.releasable:
                 self.gatherer.release(u)
 
+    def end_generation(self) -> None:
+        """engine.generate returned (or training resumes): every rank agrees it left the
+        decode loop when parameters streamed, then the kept units are released."""
+        gen = self.generation
+        if gen.streaming and self.gatherer.comm.world_size > 1:
+            agree_on_generation(gen, self.gatherer.comm, self.gatherer.device, False)
+        gen.drop(self.units, self.gatherer)
+
     def release_all(self) -> None:
         """After the optimizer step: every gathered copy is stale."""
         self.awaiting_backward = False
         self.partition_epoch += 1
+        self.generation.drop(self.units, self.gatherer)
         for u in self.units:
             u.drop_backward_hold()
             if not u.released and not u.in_use:
@@ -212,6 +246,13 @@ class ParamCoordinator:
         for u in units:
             u.pin()
         self.gatherer.ensure(units)
+
+    def keep_for_generation(self, units: list[FetchUnit]) -> None:
+        """Unpin *units* but keep them gathered until training resumes (the generation
+        cache's kept set, whatever its capacity: the caller gathered them all)."""
+        for u in units:
+            u.unpin()
+            self.generation.hold(u)
 
     def unpin(self, units: list[FetchUnit], keep_for_backward: bool) -> None:
         for u in units:

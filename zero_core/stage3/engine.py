@@ -23,6 +23,7 @@ units (bounded by ``stage3_max_live_parameters`` plus the units of the module ru
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -70,6 +71,7 @@ class Stage3Engine(ZeroEngine):
         self.zeropp = self._build_zeropp()
         self.gatherer = self._build_gatherer()
         self.coordinator = self._build_coordinator()
+        self._module_units = module_units
         self.module_hooks = self._build_module_hooks(model, module_units)
         units = self.units
         log.info("stage 3: %d parameters in %d fetch units (%d persistent)",
@@ -86,7 +88,7 @@ class Stage3Engine(ZeroEngine):
             for p in group["params"]:
                 if p.requires_grad:
                     group_of[id(p)] = g
-        if all(g == FROZEN for g in group_of.values()):
+        if all(g == FROZEN for g in group_of.values()) and not self.inference_only:
             raise ConfigError("no trainable parameters: every parameter passed has "
                               "requires_grad=False (or model_parameters is empty)")
         zc = self.config.zero_optimization
@@ -175,7 +177,8 @@ class Stage3Engine(ZeroEngine):
         zc = self.config.zero_optimization
         coordinator = ParamCoordinator(
             self.units, self.gatherer, zc.stage3_prefetch_bucket_size,
-            zc.stage3_max_live_parameters, zc.stage3_max_reuse_distance)
+            zc.stage3_max_live_parameters, zc.stage3_max_reuse_distance,
+            generation_budget=self.config.generation.max_live_parameters)
         if self.param_offload is not None:
             self.param_offload.attach(coordinator)
         return coordinator
@@ -199,6 +202,38 @@ class Stage3Engine(ZeroEngine):
         self.coordinator.release_all()  # gathered copies are stale after the update
         if self.zeropp is not None:
             self.zeropp.partitions_changed()  # and so are hpZ's secondary partitions
+
+    # ---- generation (zero_core/generation; the kept units: stage3/generation_cache.py) ----------
+    def train(self, mode: bool = True):
+        """Training resumes: the units kept gathered for generation are released."""
+        super().train(mode)
+        if mode:
+            self.coordinator.end_generation()
+        return self
+
+    @contextlib.contextmanager
+    def _gathered_model(self, keep: bool = False):
+        """The whole model gathered (exact values, compute dtype) with the module hooks
+        off, for a generate call that runs as fast as the plain model; the hooks come back
+        on exit and the units are released, or with *keep* stay gathered until training
+        resumes (the generation cache's kept set)."""
+        coord = self.coordinator
+        coord.pin(self.units)
+        self.module_hooks.remove()
+        try:
+            yield self.module
+        finally:
+            self.module_hooks = self._build_module_hooks(self.module, self._module_units)
+            if keep:
+                coord.keep_for_generation(self.units)
+            else:
+                coord.unpin(self.units, keep_for_backward=False)
+
+    def destroy(self) -> None:
+        """Remove hooks; parameters stay partitioned (gather them with GatheredParameters)."""
+        super().destroy()
+        self.coordinator.release_all()
+        self.module_hooks.remove()
 
     def destroy(self) -> None:
         """Remove hooks; parameters stay partitioned (gather them with GatheredParameters)."""
