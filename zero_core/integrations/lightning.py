@@ -406,13 +406,11 @@ class ZeroCoreStrategy(DDPStrategy):
             # another model, or fit after validate/test/predict: the engine built for those
             # holds no optimizer of the user's. Below stage 3 a new engine adopts the model
             # once the old one's hooks are gone; at stage 3 the old engine holds the model's
-            # only values (its partitions), which a new engine cannot adopt
+            # only values (its partitions) and hands them back as zero_core.Init leaves a
+            # model (from its fp32 master), for the new engine to adopt
             if self.stage == 3 and self.engine.module is module:
-                raise ConfigError(
-                    "Trainer.fit after validate/test/predict on the same ZeroCoreStrategy at "
-                    "stage 3: the engine built for evaluation holds the partitioned model and "
-                    "no optimizer. Call fit first (validate/test/predict then reuse its "
-                    "engine), or evaluate with a separate model instance")
+                self.engine.hand_back_model()
+                self.engine = None
             self.destroy_engine()
         if self.engine is None:
             self.engine = self._build_engine(trainer, module, fitting)

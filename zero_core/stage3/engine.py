@@ -235,11 +235,59 @@ class Stage3Engine(ZeroEngine):
         self.coordinator.release_all()
         self.module_hooks.remove()
 
-    def destroy(self) -> None:
-        """Remove hooks; parameters stay partitioned (gather them with GatheredParameters)."""
-        super().destroy()
-        self.coordinator.release_all()
-        self.module_hooks.remove()
+    def hand_back_model(self) -> torch.nn.Module:
+        """Retire this engine and return its model partitioned the way ``zero_core.Init``
+        leaves a model, so that ``zero_core.initialize`` can build a new engine on it (a
+        second training run on the same model, training after an evaluation engine).
+        Collective: every rank calls it.
+
+        Every parameter becomes a released PartitionedParameter whose own partition is
+        this rank's slice of its values (``init_context.partition_own``), one fetch unit
+        at a time: a rank never holds more than one unit gathered, plus its new partitions
+        (Ψ/N elements in all). The values are the fp32 master's when the engine keeps one
+        (mixed precision: a bf16 run loses nothing), else the partitions themselves
+        (fp32 training, frozen units). The engine's hooks are removed; do not use the
+        engine afterwards."""
+        from zero_core.errors import ZeroCoreError
+        from zero_core.stage3.init_context import partition_own
+        busy = [u.index for u in self.units if u.in_use]
+        if busy:
+            raise ZeroCoreError(
+                f"hand_back_model: fetch units {busy} are in use (a forward is running or a "
+                f"GatheredParameters block is open); call it after they finished")
+        self.destroy()
+        for u in self.units:          # anything destroy's release left gathered
+            if not u.released:
+                self.gatherer.release(u)
+        with torch.no_grad():
+            for u in self.units:
+                full = self._handed_back_values(u)
+                for p, off, name in zip(u.params, u.offsets, u.names):
+                    pp.attach(p, full.narrow(0, off, pp.meta_of(p).numel))
+                    del p.__dict__["_zc"]   # the engine's bookkeeping goes with the engine
+                    p.grad = None
+                    partition_own(p, name, self.global_rank, self.world_size, self.device)
+                del full
+        self.units = []
+        return self.module
+
+    def _handed_back_values(self, u) -> torch.Tensor:
+        """Unit *u*'s padded flat values for :meth:`hand_back_model`: its master gathered
+        (in the master's dtype) when its group keeps one, else its partitions gathered
+        exactly (never ZeRO++'s quantized copy)."""
+        gb = self._buffers[u.group] if u.trainable else None
+        if gb is None or gb.master is None:
+            self.gatherer.wait(u)
+            full = u.full
+            self.gatherer.release(u)
+            return full
+        mine = gb.master.bucket(u.bucket).to(self.device)
+        full = torch.empty(u.padded_numel, dtype=mine.dtype, device=self.device)
+        if self.world_size == 1:
+            full.copy_(mine)
+        else:
+            self.comm.all_gather_into(full, mine)
+        return full
 
     # ---- saving --------------------------------------------------------------------------------
     def module_state_dict(self, rank0_only: bool = False) -> dict:

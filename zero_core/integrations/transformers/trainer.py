@@ -57,10 +57,9 @@ from transformers import Trainer
 
 import zero_core
 from zero_core.integrations.transformers.trainer_config import (
-    check_world, engine_config, load_zero_config, refuse_unsupported,
-    require_engine_not_reused, start_runtime)
+    check_world, engine_config, load_zero_config, refuse_unsupported, start_runtime)
 from zero_core.integrations.transformers.trainer_engine import (EngineLoop, EngineOptimizer,
-                                                                EngineScheduler)
+                                                                EngineScheduler, retire_engine)
 
 TESTED_WITH = {"transformers": "5.24.0", "accelerate": "1.15.0"}
 
@@ -127,7 +126,10 @@ class ZeroCoreTrainer(Trainer):
 
     # ---- building the engine ---------------------------------------------------------------
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        require_engine_not_reused(self._engine, self.model)
+        # a second train(): continue from the trained weights with a new engine
+        retire_engine(self._engine, self.model)
+        self._engine = self._engine_loop = None
+        self.model_wrapped = self.model
         if self._created_lr_scheduler:  # as HF: a scheduler made for an earlier run goes
             self.lr_scheduler = None
             self._created_lr_scheduler = False

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from zero_core.config import read_config
-from zero_core.errors import ConfigError, ZeroCoreError
+from zero_core.errors import ConfigError
 from zero_core.integrations.transformers.auto_values import fill_auto_values
 
 
@@ -142,13 +142,3 @@ def _check_agreement(config: dict, args) -> None:
         raise TrainerConfigConflict("the zero-core config and the TrainingArguments disagree:\n"
                                     + "\n".join(f"  - {w}" for w in wrong)
                                     + "\nSet these config values to \"auto\" or drop them.")
-
-
-def require_engine_not_reused(engine, model) -> None:
-    """A second train() on the same model: the first engine already owns the model's
-    parameters (at stage 3 they are partitioned)."""
-    if engine is not None and engine.module is model:
-        raise ZeroCoreError("train() was already run by this ZeroCoreTrainer on this model; "
-                            "its engine owns the parameters now. Continue in a new "
-                            "ZeroCoreTrainer with train(resume_from_checkpoint=<checkpoint "
-                            "dir>), or use model_init= so each train() gets a fresh model")
