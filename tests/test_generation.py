@@ -93,6 +93,11 @@ def test_inference_engine_has_no_optimizer(reports):
         i = rep["inference"]
         assert i["optimizer_is_none"] and i["logits_equal"] and i["trainable_units"] == 0
         assert "built without an optimizer" in i["backward_error"]
+        # parameters only, partitioned: 4 bytes x Ψ / N, which the ledger counts as frozen
+        want = i["model_numel"] * 4 / rep["world_size"]
+        assert i["memory"]["formula"] == {"parameters": want, "model_states": want}
+        assert i["memory"]["ledger"]["frozen_parameters"] == want
+        assert i["memory"]["ledger"]["optimizer_states"] == 0
 
 
 @pytest.mark.multirank

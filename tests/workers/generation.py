@@ -164,7 +164,9 @@ def inference_engine() -> dict:
         want = ref(PROMPTS).logits
     out = {"optimizer_is_none": engine.optimizer is None,
            "logits_equal": bool(torch.equal(logits, want)),
-           "trainable_units": sum(u.trainable for u in engine.units)}
+           "trainable_units": sum(u.trainable for u in engine.units),
+           "memory": engine.memory_report(),
+           "model_numel": sum(p.numel() for p in ref.parameters())}
     try:
         engine.backward(logits.sum())
     except zero_core.ZeroCoreError as exc:

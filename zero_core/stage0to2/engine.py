@@ -504,6 +504,13 @@ class ZeroEngine(torch.nn.Module):
                                             states_dtype=name[self.state_dtype],
                                             grads_dtype=self.config.grad_accum_dtype_name)
             formula["model_states"] = sum(formula.values())
+        elif self.inference_only:
+            # parameters only (in the compute dtype), partitioned at stage 3
+            frozen = (sum(u.numel for u in self.units) if self.stage == 3
+                      else sum(p.numel() for p in self.module.parameters()))
+            formula = {"parameters": model_state_breakdown(
+                self.stage, frozen, self.world_size, self.config.precision)["parameters"]}
+            formula["model_states"] = formula["parameters"]
         acc = self.runtime.accelerator
         offload = getattr(self.optimizer, "offload_report", None)
         return {"ledger": self.memory_ledger.report(), "formula": formula,
