@@ -20,7 +20,8 @@
   budget.
 
 Prefetch never lets the live window (gathered or in-flight elements of non-persistent
-units) exceed ``stage3_max_live_parameters``, nor runs more than
+units) exceed the pass's bound (``stage3_max_live_parameters``; in a pass without autograd
+the generation budget), nor runs more than
 ``stage3_prefetch_bucket_size`` elements ahead of the request being served.
 
 The coordinator is the only one that changes a unit's use counts (running forwards, pins,
@@ -79,8 +80,7 @@ class ParamCoordinator:
         """*key*: (module.training, autograd enabled) of the root forward starting."""
         generating = not key[1]
         gen = self.generation
-        if gen.streaming and self.gatherer.comm.world_size > 1:
-            agree_on_generation(gen, self.gatherer.comm, self.gatherer.device, generating)
+        self._agree_if_streamed(generating)
         if generating:
             gen.passes += 1
         elif gen.kept or gen.passes:
@@ -226,10 +226,15 @@ class ParamCoordinator:
     def end_generation(self) -> None:
         """engine.generate returned (or training resumes): every rank agrees it left the
         decode loop when parameters streamed, then the kept units are released."""
-        gen = self.generation
-        if gen.streaming and self.gatherer.comm.world_size > 1:
-            agree_on_generation(gen, self.gatherer.comm, self.gatherer.device, False)
-        gen.drop(self.units, self.gatherer)
+        self._agree_if_streamed(False)
+        self.generation.drop(self.units, self.gatherer)
+
+    def _agree_if_streamed(self, generating: bool) -> None:
+        """After a generation pass that streamed units, every rank must be at the same
+        decode step (generation_cache.agree_on_generation)."""
+        if self.generation.streaming and self.gatherer.comm.world_size > 1:
+            agree_on_generation(self.generation, self.gatherer.comm, self.gatherer.device,
+                                generating)
 
     def release_all(self) -> None:
         """After the optimizer step: every gathered copy is stale."""
