@@ -61,6 +61,10 @@ class ParamCoordinator:
             units, max_live_parameters if generation_budget is None else generation_budget)
         self.generating = False
         self.window = max_live_parameters
+        # a pass without autograd that finds every unit gathered and the whole model kept
+        # needs no request, release or trace: the module hooks return at once (their
+        # bookkeeping was most of stage-3 decoding's cost over the plain model)
+        self.whole_model_kept = False
         self.trace = ExecutionTrace([u.padded_numel for u in units])
         # the prefetcher's scan (see _prefetch): recorded positions [pos, _scan_pos) were
         # started by an earlier scan of this pass; _ahead[i] = non-persistent elements
@@ -87,6 +91,8 @@ class ParamCoordinator:
             gen.drop(self.units, self.gatherer)   # training resumes in its own window
         self.generating = generating
         self.window = gen.window if generating else self.max_live
+        self.whole_model_kept = (generating and gen.kept_numel == gen.model_numel
+                                 and not any(u.released for u in self.units))
         self.trace.begin(key)
         self.awaiting_backward = bool(key[1])
         self._scan_pos = 0
@@ -227,6 +233,7 @@ class ParamCoordinator:
         """engine.generate returned (or training resumes): every rank agrees it left the
         decode loop when parameters streamed, then the kept units are released."""
         self._agree_if_streamed(False)
+        self.whole_model_kept = False
         self.generation.drop(self.units, self.gatherer)
 
     def _agree_if_streamed(self, generating: bool) -> None:
@@ -240,6 +247,7 @@ class ParamCoordinator:
         """After the optimizer step: every gathered copy is stale."""
         self.awaiting_backward = False
         self.partition_epoch += 1
+        self.whole_model_kept = False
         self.generation.drop(self.units, self.gatherer)
         for u in self.units:
             u.drop_backward_hold()
@@ -264,5 +272,6 @@ class ParamCoordinator:
             u.unpin()
             if keep_for_backward:
                 u.hold_for_backward()
-            elif u.releasable and not u.released:
+            elif (u.releasable and not u.released
+                  and u.index not in self.generation.kept):   # kept ones go with the kept set
                 self.gatherer.release(u)

@@ -137,6 +137,8 @@ class ModuleHooks:
         self.saved_views.exit()
 
     def _pre(self, module, args):
+        if self.coord.whole_model_kept:
+            return   # a decode step with every unit gathered: nothing to request or track
         units = self.module_units.get(module)
         self.coord.module_stack.append(self.names.get(module, type(module).__name__))
         if not units:
@@ -144,6 +146,8 @@ class ModuleHooks:
         self.coord.before_forward(units)
 
     def _post(self, module, args, out):
+        if self.coord.whole_model_kept:
+            return
         if self.coord.module_stack:
             self.coord.module_stack.pop()
         units = self.module_units.get(module)
