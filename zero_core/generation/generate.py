@@ -18,9 +18,10 @@ enabled, ``release_inference_cache: false`` kept gathered until training resumes
                                             gather once
 ==========================================  ==================================================
 
-Ranks in step: at stage 3 on several ranks, when ``torch.distributed`` is initialized
-(gloo, nccl, ...), ``synced_gpus=True`` is passed to Hugging Face's generate unless the
-caller chose: ranks that finish early keep stepping. Under MPI it is not (HF's flag
+Ranks in step: at stage 3 on several ranks, when decode steps gather (the model does not
+fit the generation budget) and ``torch.distributed`` is initialized (gloo, nccl, ...),
+``synced_gpus=True`` is passed to Hugging Face's generate unless the caller chose: ranks
+that finish early keep stepping (its per-step all-reduce is not paid when nothing streams). Under MPI it is not (HF's flag
 all-reduces through torch.distributed); ranks that stop at different steps while units
 stream fail with ``GenerationDivergedError`` (stage3/generation_cache.py) instead of
 hanging. When the whole model is kept, decode steps issue no collective and ranks may
@@ -67,6 +68,13 @@ def _check_max_out_tokens(engine, args, kwargs) -> None:
                             f"max_out_tokens in the config or generate fewer tokens")
 
 
+def _streams(engine) -> bool:
+    """Will decode steps gather (the model does not fit the generation budget)? Only then
+    do they issue collectives that need the ranks in step."""
+    gen = engine.coordinator.generation
+    return gen.capacity < gen.model_numel
+
+
 def generate(engine, *args, **kwargs):
     """``engine.generate(...)``: the model's own ``generate`` without autograd, in eval mode
     (the module's mode is restored afterwards), gathering as the module docstring says."""
@@ -83,10 +91,11 @@ def generate(engine, *args, **kwargs):
     args = tuple(engine._to_device(a) for a in args)
     kwargs = {k: engine._to_device(v) for k, v in kwargs.items()}
     stage3 = _is_stage3(engine)
-    if (stage3 and engine.world_size > 1 and "synced_gpus" not in kwargs
+    whole = stage3 and he.enabled and he.pin_parameters
+    if (stage3 and not whole and _streams(engine) and engine.world_size > 1
+            and "synced_gpus" not in kwargs
             and torch.distributed.is_available() and torch.distributed.is_initialized()):
         kwargs["synced_gpus"] = True
-    whole = stage3 and he.enabled and he.pin_parameters
     keep = he.enabled and not he.release_inference_cache
     was_training = module.training
     module.eval()
