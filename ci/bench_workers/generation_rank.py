@@ -142,6 +142,15 @@ def labels_for(seqs, prompt_len: int):
 
 # ---------------------------------------------------------------- the variants
 
+def engine_train_step(engine, seqs, prompt_len) -> float:
+    """One training step through a DeepSpeed-style engine (zero-core's and DeepSpeed's share
+    the API): LM loss on the generated tokens, backward, step."""
+    loss = engine(input_ids=seqs, labels=labels_for(seqs, prompt_len)).loss
+    engine.backward(loss)
+    engine.step()
+    return float(loss)
+
+
 class Single:
     """Plain torch: the whole model in this process, no process group."""
 
@@ -227,11 +236,7 @@ class ZeroCore:
         self.engine.train(training)   # train() releases the kept units, eval() keeps them
 
     def train_step(self, seqs, prompt_len):
-        e = self.engine
-        loss = e(input_ids=seqs, labels=labels_for(seqs, prompt_len)).loss
-        e.backward(loss)
-        e.step()
-        return float(loss)
+        return engine_train_step(self.engine, seqs, prompt_len)
 
     def barrier(self):
         self.engine.comm.barrier()
@@ -304,11 +309,7 @@ class DeepSpeed:
         self.engine.train(training)
 
     def train_step(self, seqs, prompt_len):
-        e = self.engine
-        loss = e(input_ids=seqs, labels=labels_for(seqs, prompt_len)).loss
-        e.backward(loss)
-        e.step()
-        return float(loss)
+        return engine_train_step(self.engine, seqs, prompt_len)
 
     def barrier(self):
         self.dist.barrier()
