@@ -6,8 +6,8 @@ then run torch's own fused, vectorized, multi-threaded CPU kernels through
 :mod:`.optim_fused` (the one wrapper of those ops, which also says how
 ``bias_correction=False`` is carried), reading and writing every buffer once per step.
 
-Why this and not something else (the figures are in the README, section Benchmarks, and
-ci/bench_kernels.py is the repeatable run):
+Why this and not something else (the figures are in docs/design.md and docs/benchmarks.md,
+"Kernels"; ci/bench/kernels.py is the repeatable run):
 
 * torch's fused Adam runs at the machine's memory bandwidth: it moves each buffer the
   minimum number of times, so no pure-torch formulation can beat it, only move fewer

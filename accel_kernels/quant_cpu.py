@@ -20,7 +20,7 @@ prints it):
   benchmark can show both paths.
 
 Why the torch path is as fast as it is (measured on this project's 2-core VM with
-ci/bench_kernels.py; the figures are in the README, section Benchmarks):
+ci/bench/kernels.py; the figures are in docs/benchmarks.md, "Kernels"):
 
 * Large temporaries are what make the reference slow: every fresh multi-MB tensor is
   page-faulted in by the kernel one page at a time, which costs more than the arithmetic
@@ -54,7 +54,7 @@ from .quant_layout import (INT4_OFFSET, QMAX, check_dequant_out, check_input,
 #: region whose threads must all be scheduled, so on a CPU shared with other processes
 #: fewer, larger ops win: int8 quantize (out=) of a large tensor with 2 threads on a loaded
 #: machine was fastest with 4M-element chunks, ahead of 1M and 8M, and 64K chunks were far
-#: slower still (README, Benchmarks).
+#: slower still (docs/benchmarks.md, "Kernels").
 CHUNK_ELEMENTS = 1 << 22
 
 _local = threading.local()
@@ -134,7 +134,7 @@ def _workers():
     are done. On a CPU shared with other processes one of them is often descheduled, and
     each small op then waits a scheduler time slice: measured on this 2-core VM under load,
     an int4 unpack step took more than an order of magnitude longer per op with 2 threads
-    than with 1, and so did a whole int4 dequantize (README, Benchmarks). So the chunks are
+    than with 1, and so did a whole int4 dequantize (docs/benchmarks.md, "Kernels"). So the chunks are
     spread over torch.get_num_threads() Python threads (torch ops release the GIL), each
     running its ops with one intra-op thread: they only meet once per call.
     """
@@ -383,7 +383,7 @@ class _SumReader:
 #: path's (a C call has no per-op cost to amortize), so that on a CPU shared with other
 #: processes the worker that is running takes over the chunks of one that is not
 #: (on a loaded machine, chunks of 1M to 32M elements were within noise of each other and
-#: 256K-element chunks slower; README, Benchmarks).
+#: 256K-element chunks slower; docs/benchmarks.md, "Kernels").
 NATIVE_CHUNK_ELEMENTS = 1 << 20
 #: native path: below this many elements a call runs on the caller's thread (handing
 #: work to the pool costs more than it saves)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU kit: run zero-core's GPU checks (ci/gpu_check.py) on a machine with a CUDA GPU.
+# The GPU kit: run zero-core's GPU checks (ci/gpu/check.py) on a machine with a CUDA GPU.
 #
 #   bash ci/gpu_check.sh                    # report in gpu_check_out/gpu_check.{json,md}
-#   bash ci/gpu_check.sh --out /tmp/kit     # other flags go to ci/gpu_check.py (-k, --quick, ...)
+#   bash ci/gpu_check.sh --out /tmp/kit     # other flags go to ci/gpu/check.py (-k, --quick, ...)
 #
 # Needs no network: it uses the Python in $PYTHON (default python3), which must already hold
 # a CUDA build of torch, triton, numpy, pluggy and safetensors; it does not use
@@ -40,7 +40,7 @@ if torch.version.cuda is None:
 if not torch.cuda.is_available():
     sys.exit(f"[gpu_check.sh] FAILED: torch {torch.__version__} (CUDA {torch.version.cuda}) sees "
              f"no GPU: torch.cuda.is_available() is False. Check nvidia-smi and "
-             f"CUDA_VISIBLE_DEVICES; without a GPU, `python ci/gpu_check.py --device cpu --quick` "
+             f"CUDA_VISIBLE_DEVICES; without a GPU, `python ci/gpu/check.py --device cpu --quick` "
              f"dry-runs the kit")
 print(f"[gpu_check.sh] {torch.cuda.get_device_name(0)}; torch {torch.__version__} "
       f"(CUDA {torch.version.cuda}); {sys.executable}", file=sys.stderr)
@@ -106,4 +106,4 @@ print('[gpu_check.sh] zero-core', zero_core.__version__, 'from', zero_core.__fil
 budget=$(( ${GPU_CHECK_BUDGET:-450} - (SECONDS - start) - 20 ))
 [ "$budget" -lt 60 ] && budget=60
 cd "$repo" || exit 2
-"$py" ci/gpu_check.py --device cuda --budget "$budget" "$@"
+"$py" ci/gpu/check.py --device cuda --budget "$budget" "$@"

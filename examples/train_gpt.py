@@ -345,8 +345,8 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     result = main()
-    if os.environ.get("ZERO_CORE_REPORT_DIR"):  # launched by zero_core.testing.run_ranks
-        from zero_core.testing import report
+    if os.environ.get("ZERO_CORE_REPORT_DIR"):  # launched by zero_core.testing.ranks.run_ranks
+        from zero_core.testing.ranks import report
         report(result)
     # Tear down the communicator and torch.distributed before the interpreter exits: a gloo
     # process group still alive at exit can abort the process while Python finalizes.

@@ -32,7 +32,7 @@ from zero_core.activation.partition import resolve_model_parallel
 from zero_core.interfaces.communicator import Group
 from zero_core.config import ActivationCheckpointingConfig, parse_config
 from zero_core.errors import ConfigError, ZeroCoreError
-from zero_core.testing import mpirun_path, run_ranks
+from zero_core.testing.ranks import mpirun_path, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "actckpt_mp.py")
 COMM = {"torchrun": "gloo", "mpirun": "mpi"}

@@ -13,6 +13,9 @@ are installed as ``zero_core.backends`` / ``zero_core.accel_kernels``). Then:
   them, and only they import lightning, transformers or accelerate;
 - no file over 600 lines, at most 12 modules directly in ``zero_core/``, a docstring on
   every module;
+- the scripts of ``ci/`` (every ``ci/**/*.py``) keep the same 600 lines and docstring;
+  ``zero_core/testing/`` (the launcher and the emulated cluster) is library code like the rest,
+  imported by the engine only where it launches ranks;
 - every "ARCHITECTURE §N" / "ARCHITECTURE §N" reference names a section of docs/ARCHITECTURE.md.
 """
 from __future__ import annotations
@@ -148,7 +151,7 @@ GRAPH = import_graph()
 def test_the_walk_sees_the_known_arrows():
     # the walk itself: a few arrows that must exist, else the rules below check nothing
     assert "zero_core.interfaces.communicator" in GRAPH["zero_core.backends.comm.mpi"]
-    assert "zero_core.stage0to2.engine" in GRAPH["zero_core.stage3.engine"]
+    assert "zero_core.engine.contract" in GRAPH["zero_core.stage3.parts"]
     assert "zero_core.factory" in GRAPH["zero_core"]
     assert len(MODULES) > 100
 
@@ -227,6 +230,86 @@ def test_interfaces_point_at_nothing_of_the_engine():
     assert {m: t for m, t in bad.items() if t} == {}
 
 
+# ---- the engine room (ARCHITECTURE §4): the step loop every stage shares -----------------------
+ENGINE_ROOM = "zero_core.engine"
+STAGES = ("zero_core.stage0to2", "zero_core.stage3")
+# what stands on the engine and may hold one: the public API, the factory, the user-facing
+# features built on the engine, the test tools and the command line
+ABOVE_ENGINE = ("zero_core", "zero_core.factory", ENGINE_ROOM, "zero_core.generation",
+                "zero_core.integrations", "zero_core.testing", "zero_core.cli",
+                "zero_core.conformance")
+
+
+def _below_engine(module: str) -> bool:
+    if not _within(module, "zero_core") or _within(module, "zero_core.backends") \
+            or _within(module, "zero_core.accel_kernels"):
+        return False
+    return module != "zero_core" and not any(_within(module, up) for up in ABOVE_ENGINE[1:])
+
+
+def engine_handles(path: pathlib.Path) -> list[str]:
+    """Where *path* takes an engine (a parameter named ``engine``/``*_engine``) or stores
+    one (an attribute so named assigned), or reaches into one (``engine._private``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]:
+                if arg.arg == "engine" or arg.arg.endswith("_engine"):
+                    found.append(f"line {node.lineno}: takes {arg.arg!r}")
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and (t.attr == "engine" or t.attr.endswith("_engine")):
+                    found.append(f"line {node.lineno}: stores .{t.attr}")
+        elif (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+              and isinstance(node.value, ast.Name) and node.value.id == "engine"):
+            found.append(f"line {node.lineno}: reads engine.{node.attr}")
+    return found
+
+
+def test_the_engine_handle_check_sees_a_handle(tmp_path):
+    # the check itself, on a module written to break the rule three ways
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(engine):\n    return engine._buffers\n"
+                   "class C:\n    def __init__(self, e):\n        self.engine = e\n")
+    assert len(engine_handles(bad)) == 3
+
+
+def test_no_module_below_the_engine_takes_or_stores_one():
+    # lower layers get declared views (BuildContext, CheckpointSubject), never the engine
+    bad = {m: h for m, p in MODULES.items() if _below_engine(m) and (h := engine_handles(p))}
+    assert bad == {}
+
+
+def test_the_engine_room_knows_no_stage():
+    # stages stand on the engine room; only the factory knows them (STAGE_PARTS)
+    bad = {m: sorted(t for t in targets if any(_within(t, s) for s in STAGES))
+           for m, targets in GRAPH.items() if _within(m, ENGINE_ROOM)}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_stages_contribute_only_through_the_contract():
+    # a stage's parts implement StageParts; they subclass nothing else of the engine room,
+    # and neither stage imports the other
+    from zero_core.engine.contract import StageParts
+    from zero_core.factory import STAGE_PARTS
+    for stage, parts in STAGE_PARTS.items():
+        assert issubclass(parts, StageParts) and not parts.__abstractmethods__, stage
+    for a, b in (STAGES, STAGES[::-1]):
+        crossing = {m: sorted(t for t in targets if _within(t, b))
+                    for m, targets in GRAPH.items() if _within(m, a)}
+        assert {m: t for m, t in crossing.items() if t} == {}, (a, b)
+
+
+def test_kernels_are_reached_only_through_the_registry():
+    # the engine asks the registry for the accelerator's KernelSet (ARCHITECTURE §2)
+    bad = {m: sorted(t for t in targets if _within(t, "zero_core.accel_kernels"))
+           for m, targets in GRAPH.items()
+           if not _within(m, "zero_core.backends") and not _within(m, "zero_core.accel_kernels")}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
 def test_no_file_over_the_size_limit():
     long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
@@ -253,7 +336,7 @@ def test_section_references_point_to_sections_that_exist():
     sections = {int(n) for n in re.findall(r"^## (\d+)\. ", doc, re.M)}
     assert sections, "docs/ARCHITECTURE.md has no numbered sections"
     sources = [*MODULES.values(), ROOT / "README.md", ROOT / "pyproject.toml",
-               *(ROOT / "tests").rglob("*.py"), *(ROOT / "ci").glob("*"),
+               *(ROOT / "tests").rglob("*.py"), *CI_FILES,
                *(ROOT / "examples").glob("*.py")]
     dangling = {}
     for path in sources:
@@ -267,6 +350,8 @@ def test_section_references_point_to_sections_that_exist():
 
 
 @pytest.mark.parametrize("question,path,code", [
+    ("the step every stage shares", "zero_core/engine/core.py", "def _optimizer_step"),
+    ("what a stage contributes", "zero_core/engine/contract.py", "class StageParts"),
     ("stage-3 prefetch", "zero_core/stage3/prefetch.py", "class ExecutionTrace"),
     ("the qgZ all-to-all", "zero_core/zeropp/qgz.py", "all_to_all"),
     ("the MPI all-gather", "backends/comm/mpi.py", "def _all_gather_into"),
@@ -297,3 +382,45 @@ def test_the_public_api_survives_the_layout():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'zero-core = "zero_core.cli:main"' in pyproject
     assert 'builtin = "zero_core.backends.plugin"' in pyproject
+
+
+# ---- ci/ and zero_core/testing/: the scripts around the library keep its rules -------------
+CI_FILES = sorted(p for p in (ROOT / "ci").rglob("*") if "__pycache__" not in p.parts)
+CI_MODULES = [p for p in CI_FILES if p.suffix == ".py"]
+TESTING = "zero_core.testing"
+# the library code that launches ranks with the testing package: the plan's rate measurement
+# and the CLI's environment report (which looks for mpirun)
+MAY_USE_TESTING = ("zero_core.plan.measure", "zero_core.plan.measure_worker", "zero_core.cli")
+
+
+def test_the_ci_walk_sees_the_scripts():
+    names = {str(p.relative_to(ROOT)) for p in CI_MODULES}
+    assert {"ci/gpu/check.py", "ci/tools/count_collectives.py"} <= names, sorted(names)
+
+
+def test_no_ci_file_over_the_size_limit():
+    long = {str(p.relative_to(ROOT)): n for p in CI_MODULES
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_every_ci_module_says_what_it_owns():
+    missing = [str(p.relative_to(ROOT)) for p in CI_MODULES
+               if not (ast.get_docstring(ast.parse(p.read_text())) or "").strip()]
+    assert missing == []
+
+
+def test_the_testing_package_is_walked_as_library_code():
+    # so the size, docstring, cycle and layering rules above hold for it too
+    assert {TESTING, f"{TESTING}.ranks", f"{TESTING}.emulated_cluster", f"{TESTING}.netns",
+            f"{TESTING}.device_audit"} <= set(MODULES)
+    # its __init__ is a map of the folder, not a second way to import its names
+    body = ast.parse(MODULES[TESTING].read_text()).body
+    assert len(body) == 1 and isinstance(body[0], ast.Expr), "zero_core/testing/__init__.py"
+
+
+def test_only_the_rank_launching_code_imports_the_testing_package():
+    bad = {m: sorted(t for t in targets if _within(t, TESTING))
+           for m, targets in GRAPH.items()
+           if not _within(m, TESTING) and m not in MAY_USE_TESTING}
+    assert {m: t for m, t in bad.items() if t} == {}

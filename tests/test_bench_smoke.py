@@ -15,7 +15,7 @@ import sys
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-CI = os.path.join(ROOT, "ci")
+CI = os.path.join(ROOT, "ci", "bench")
 
 
 def run_script(name: str, *args, timeout: float = 1500) -> subprocess.CompletedProcess:
@@ -41,10 +41,13 @@ def load_ci_module(name: str):
 
 def test_bench_stage3_quick(tmp_path):
     out = tmp_path / "stage3.json"
-    proc = run_script("bench_stage3.py", "--quick", "--json", out)
+    proc = run_script("stage3.py", "--quick", "--json", out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "| contender | launcher | median step (s) | vs DDP |" in proc.stdout
     result = json.loads(out.read_text())
+    # the chart goes next to the JSON (never over docs/images/ when --json is given)
+    assert (tmp_path / "stage3.png").exists() or "plot skipped" in proc.stdout
+    assert result["meta"]["command"].startswith("python ci/bench/stage3.py --quick")
     rows = {r["name"]: r for r in result["results"]}
     assert set(rows) == {"compute-only", "ddp", "fsdp2", "deepspeed-3", "zero-core-3-gloo",
                          "zero-core-3-mpi"}
@@ -65,9 +68,9 @@ def test_bench_stage3_quick(tmp_path):
 
 
 def test_bench_largest_quick(tmp_path):
-    bl = load_ci_module("bench_largest")
+    bl = load_ci_module("largest")
     out = tmp_path / "largest.json"
-    proc = run_script("bench_largest.py", "--quick", "--json", out)
+    proc = run_script("largest.py", "--quick", "--json", out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "| contender | largest trained (layers × width) | parameters | vs DDP |" in proc.stdout
     result = json.loads(out.read_text())
@@ -94,7 +97,7 @@ def test_bench_largest_stops_an_attempt_over_budget(tmp_path):
     """With a budget below what 4 idle ranks need, every attempt is killed by the guard and
     reported as over budget; the script then says nothing trained (exit status 1)."""
     out = tmp_path / "over.json"
-    proc = run_script("bench_largest.py", "--quick", "--only", "ddp", "--budget-gib", 0.5,
+    proc = run_script("largest.py", "--quick", "--only", "ddp", "--budget-gib", 0.5,
                       "--json", out, timeout=600)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())

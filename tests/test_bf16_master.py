@@ -33,7 +33,7 @@ from zero_core.memory import MemoryLedger, model_state_breakdown
 from zero_core.optim.partitioned import PartitionedOptimizer
 from zero_core.optim.rules import rule_from_config
 from zero_core.runtime import registry
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 from workers.optim_train import (LAMB, assemble, batch, bf16_config, build_group,
                                  fragments_report, loss_of, make_net, ref_adamw_bf16_step,
@@ -186,7 +186,7 @@ def test_engine_ledger_equals_formula(stage):
                         "optimizer_states": 4 if states else 8}
             for cat, b in per_elem.items():
                 assert 0 <= led[cat] - form[cat] <= pad * b, (cat, led[cat], form[cat], pad)
-            for gb in engine._buffers:
+            for gb in engine.parts.buffers:
                 if gb is not None:
                     assert gb.master.dtype == torch.bfloat16
         finally:

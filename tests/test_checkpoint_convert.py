@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "ckpt_train.py")
 BIG_LAYERS, BIG_WIDTH = 16, 768

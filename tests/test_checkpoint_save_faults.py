@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from zero_core.testing import mpirun_path, run_ranks
+from zero_core.testing.ranks import mpirun_path, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "ckpt_save_faults.py")
 COMM = {"torchrun": "gloo", "mpirun": "mpi"}

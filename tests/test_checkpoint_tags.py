@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "tag_check.py")
 

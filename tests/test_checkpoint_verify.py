@@ -21,7 +21,7 @@ import torch
 from zero_core.checkpoint import store
 from zero_core.checkpoint.store import CheckpointError
 from zero_core.checkpoint.save_load import check_plain
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "ckpt_train.py")
 

@@ -1,7 +1,7 @@
 """Backend specifics of the gloo and MPI communicators (the generic contract is checked by
 the conformance suite in tests/conformance).
 
-Multi-rank tests launch real processes with ``zero_core.testing.run_ranks``; their rank
+Multi-rank tests launch real processes with ``zero_core.testing.ranks.run_ranks``; their rank
 programs are in tests/workers/comm_*.py.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from zero_core.backends.comm.torch_dist import (CclCommunicator, GlooCommunicato
                                                 XcclCommunicator)
 from zero_core.interfaces.communicator import Group
 from zero_core.errors import CommError
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
 LAUNCHER = {"gloo": "torchrun", "mpi": "mpirun"}
@@ -166,13 +166,13 @@ def test_runtime_under_mpirun_without_master_addr(backend):
 
 @pytest.mark.multirank
 def test_bench_comm_runs_and_reports_nccl_tests_bandwidths(tmp_path):
-    """ci/bench_comm.py --launch 2 re-launches itself under mpirun and prints the table."""
+    """ci/bench/comm.py --launch 2 re-launches itself under mpirun and prints the table."""
     import json
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out_json = tmp_path / "bench.json"
-    out = subprocess.run([sys.executable, os.path.join(root, "ci", "bench_comm.py"), "--launch",
+    out = subprocess.run([sys.executable, os.path.join(root, "ci", "bench", "comm.py"), "--launch",
                           "2", "--quick", "--max-size", "64K", "--iters", "3", "--json",
                           str(out_json)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "comm_faults.py")
 TIMEOUT_ENV = {"ZERO_CORE_COMM_TIMEOUT": "5"}

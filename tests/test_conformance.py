@@ -14,7 +14,7 @@ from zero_core.conformance.data import (compare_exact, compare_reduction, expect
                                         rank_input)
 from zero_core.conformance.results import (FAIL, PASS, SKIP, UNSUPPORTED, Abort, Recorder,
                                            Unsupported, merge)
-from zero_core.testing import mpirun_path, run_ranks
+from zero_core.testing.ranks import mpirun_path, run_ranks
 
 SUITE = ("-m", "zero_core.conformance")
 

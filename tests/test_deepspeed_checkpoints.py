@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO checkpoints load, resume and convert — without DeepSpeed.
 
 The fixtures (tests/fixtures/deepspeed_checkpoints, README there) were written by DeepSpeed
-0.19.8 itself (ci/make_deepspeed_fixtures.py, 2 ranks, stages 0-3 x fp32/bf16; fp16 is
+0.19.8 itself (ci/tools/make_deepspeed_fixtures.py, 2 ranks, stages 0-3 x fp32/bf16; fp16 is
 refused by DeepSpeed on the CPU that made them), with DeepSpeed's own continuation and
 zero_to_fp32 output recorded next to each checkpoint.
 
@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from zero_core.checkpoint.store import CheckpointError
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures", "deepspeed_checkpoints")

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 sys.path.insert(0, EXAMPLES)

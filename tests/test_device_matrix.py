@@ -6,7 +6,7 @@ own memory: a tensor there is reached only through copies, an op that mixes it w
 host tensor is refused, and fresh device memory is NaN-poisoned. Its kernels are the
 CPU's, so a correct engine computes *exactly* the same numbers on it as on the CPU; any
 difference, any refused op and any engine-owned tensor on the wrong side
-(zero_core.device_audit) is a device assumption in the engine.
+(zero_core.testing.device_audit) is a device assumption in the engine.
 
 Each launch runs tests/workers/device_matrix.py's scenarios (stages 0-3 in fp32/bf16/fp16
 with gradient accumulation and clipping, zero_core.Init, activation checkpointing with
@@ -30,7 +30,7 @@ import os
 
 import pytest
 
-from zero_core.testing import mpirun_path, run_ranks
+from zero_core.testing.ranks import mpirun_path, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "device_matrix.py")
 COMM = {"torchrun": "gloo", "mpirun": "mpi"}

@@ -1,4 +1,5 @@
-"""The emulated two-node cluster (ci/emulated_cluster.py): shaping, placement, clean-up.
+"""The emulated two-node cluster (zero_core/testing/emulated_cluster.py): shaping, placement,
+clean-up, and run_ranks(cluster=...) starting the ranks inside its nodes.
 
 Run as a script, this file is the rank program the tests launch inside the namespaces
 (``bandwidth`` / ``crash`` / ``hang`` modes, see ``_rank_main``).
@@ -11,15 +12,13 @@ other jobs on the machine cannot make them flaky.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import time
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-CLUSTER_PY = os.path.join(REPO, "ci", "emulated_cluster.py")
+CLUSTER_CLI = [sys.executable, "-m", "zero_core.testing.emulated_cluster"]
 # a prefix and subnet of the tests' own, so that a benchmark cluster ("zc", 10.231.7.0/30)
 # running at the same time is neither waited for nor disturbed
 PREFIX = "zctest"
@@ -39,7 +38,7 @@ def _rank_main(argv: list[str]) -> None:
     from zero_core.runtime import registry
     from zero_core.runtime.launch import discover
     from zero_core.runtime.context import comm_timeout
-    from zero_core.testing import report
+    from zero_core.testing.ranks import report
     from zero_core.runtime.topology import resolve_ranks_per_node
 
     mode = argv[0]
@@ -102,16 +101,9 @@ if __name__ == "__main__":
 # ---- the tests (pytest) -------------------------------------------------------------------
 import pytest  # noqa: E402
 
-
-def _load_cluster_module():
-    spec = importlib.util.spec_from_file_location("emulated_cluster", CLUSTER_PY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("emulated_cluster", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-ec = _load_cluster_module()
+from zero_core.testing import emulated_cluster as ec  # noqa: E402
+from zero_core.testing import netns  # noqa: E402
+from zero_core.testing.ranks import MultiRankError, run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +119,9 @@ def privileged():
         pytest.fail("the emulated-cluster tests need root and iproute2 to create network "
                     "namespaces and shape links (CI runs as root): " + "; ".join(problems),
                     pytrace=False)
-    ec.cleanup(PREFIX)
+    netns.cleanup(PREFIX)
     yield
-    assert ec.leftovers(PREFIX) == [], "a test left namespaces or links behind"
+    assert netns.leftovers(PREFIX) == [], "a test left namespaces or links behind"
 
 
 def _cluster(**kw):
@@ -141,23 +133,23 @@ def _cluster(**kw):
 
 # ---- pure functions -----------------------------------------------------------------------
 def test_rate_and_delay_parsing():
-    assert ec.parse_rate("10gbit") == 10 * 10**9
-    assert ec.parse_rate("100mbit") == 10**8
-    assert ec.parse_rate("2.5gbit") == 25 * 10**8
-    assert ec.parse_rate("none") is None
-    assert ec.format_rate(ec.parse_rate("100mbit")) == "100mbit"
-    assert ec.format_rate(ec.parse_rate("2.5gbit")) == "2.5gbit"
-    assert ec.parse_delay("2ms") == pytest.approx(2e-3)
-    assert ec.parse_delay("150us") == pytest.approx(150e-6)
+    assert netns.parse_rate("10gbit") == 10 * 10**9
+    assert netns.parse_rate("100mbit") == 10**8
+    assert netns.parse_rate("2.5gbit") == 25 * 10**8
+    assert netns.parse_rate("none") is None
+    assert netns.format_rate(netns.parse_rate("100mbit")) == "100mbit"
+    assert netns.format_rate(netns.parse_rate("2.5gbit")) == "2.5gbit"
+    assert netns.parse_delay("2ms") == pytest.approx(2e-3)
+    assert netns.parse_delay("150us") == pytest.approx(150e-6)
     for bad in ("fast", "10GB", "-5mbit", "0mbit"):
         with pytest.raises(ec.ClusterError, match="not understood|positive"):
-            ec.parse_rate(bad)
+            netns.parse_rate(bad)
 
 
 def test_tbf_parameters_hold_a_gso_packet_and_a_millisecond():
     for rate in ("100mbit", "1gbit", "10gbit", "40gbit"):
-        bps = ec.parse_rate(rate)
-        burst, limit = ec.tbf_parameters(bps)
+        bps = netns.parse_rate(rate)
+        burst, limit = netns.tbf_parameters(bps)
         assert burst >= 64 << 10 and burst >= bps / 8 * 1e-3
         assert limit >= burst
 
@@ -171,8 +163,16 @@ def test_bad_prefix_and_subnet_are_refused():
         ec.EmulatedCluster(subnet="10.231.9.0/31")
 
 
+def test_run_ranks_refuses_an_uneven_spread_and_a_cluster_that_is_down():
+    cluster = ec.EmulatedCluster(prefix=PREFIX, subnet=SUBNET)  # not entered: not up
+    with pytest.raises(ValueError, match="multiple of 2"):
+        run_ranks(__file__, 3, args=["hang"], cluster=cluster)
+    with pytest.raises(ec.ClusterError, match="needs the cluster up"):
+        run_ranks(__file__, 2, args=["hang"], cluster=cluster)
+
+
 def test_cli_help_runs():
-    out = subprocess.run([sys.executable, CLUSTER_PY, "--help"], capture_output=True,
+    out = subprocess.run([*CLUSTER_CLI, "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     for command in ("run", "hold", "cleanup", "check"):
@@ -185,21 +185,21 @@ def test_subnet_in_use_is_refused(privileged):
     with pytest.raises(ec.ClusterError, match="already used.*127.0.0.1/8"):
         with _cluster(subnet="127.0.0.0/30"):
             pass
-    assert ec.leftovers(PREFIX) == []
+    assert netns.leftovers(PREFIX) == []
 
 
 def test_layout_and_shaping_as_configured(privileged):
     with _cluster(rate="100mbit") as cluster:
-        namespaces = ec.list_namespaces()
+        namespaces = netns.list_namespaces()
         for node in cluster.nodes:
             assert node.namespace in namespaces
-            addrs = ec._ip_json(["-4", "addr", "show", "dev", node.interface], node.namespace)
+            addrs = netns.ip_json(["-4", "addr", "show", "dev", node.interface], node.namespace)
             assert addrs[0]["addr_info"][0]["local"] == node.address
-            links = {l["ifname"]: l for l in ec._ip_json(["link", "show"], node.namespace)}
+            links = {l["ifname"]: l for l in netns.ip_json(["link", "show"], node.namespace)}
             assert set(links) == {"lo", node.interface}
             assert "UP" in links["lo"]["flags"]
         # the pair is not in the root namespace
-        assert not any(l["ifname"].startswith(PREFIX) for l in ec._ip_json(["link", "show"]))
+        assert not any(l["ifname"].startswith(PREFIX) for l in netns.ip_json(["link", "show"]))
         for shown in cluster.qdiscs().values():
             assert "tbf" in shown and "100Mbit" in shown
         cluster.set_rate("1gbit")
@@ -213,13 +213,13 @@ def test_layout_and_shaping_as_configured(privileged):
         assert env["MASTER_ADDR"] == cluster.nodes[0].address
         assert env["GLOO_SOCKET_IFNAME"] == cluster.nodes[1].interface
         assert env["ZERO_CORE_RANKS_PER_NODE"] == "2"
-    assert ec.leftovers(PREFIX) == []
+    assert netns.leftovers(PREFIX) == []
 
 
 def _bandwidth_run(cluster, iters: int):
     before = cluster.link_bytes()
-    results = cluster.run_ranks(__file__, ranks_per_node=2,
-                                args=["bandwidth", PAYLOAD_BYTES, iters], timeout=120)
+    results = run_ranks(__file__, 4, args=["bandwidth", PAYLOAD_BYTES, iters], timeout=120,
+                        cluster=cluster)
     after = cluster.link_bytes()
     crossed = {k: after[k] - before[k] for k in after}
     return {r.rank: r.report for r in results}, crossed
@@ -231,7 +231,7 @@ def test_link_rate_shapes_inter_node_traffic_only(privileged):
     iters = 2
     with _cluster(rate="100mbit") as cluster:
         slow, crossed = _bandwidth_run(cluster, iters)
-        burst, _ = ec.tbf_parameters(cluster.rate_bps)
+        burst, _ = netns.tbf_parameters(cluster.rate_bps)
         rate_bytes_s = cluster.rate_bps / 8
         # a shaped transfer cannot beat the rate (beyond one bucket of burst)
         floor_s = (PAYLOAD_BYTES - burst) / rate_bytes_s
@@ -260,24 +260,24 @@ def test_link_rate_shapes_inter_node_traffic_only(privileged):
         for rank in (0, 2):
             assert min(fast[rank]["inter_s"]) < 0.3 * min(slow[rank]["inter_s"]), (
                 fast[rank]["inter_s"], slow[rank]["inter_s"])
-    assert ec.leftovers(PREFIX) == []
+    assert netns.leftovers(PREFIX) == []
 
 
 @pytest.mark.multirank
 def test_crashed_and_hung_ranks_leave_nothing_behind(privileged):
     with _cluster(rate="1gbit") as cluster:
-        results = cluster.run_ranks(__file__, ranks_per_node=1, args=["crash"], timeout=60,
-                                    check=False, env={"ZERO_CORE_COMM_TIMEOUT": "20"})
+        results = run_ranks(__file__, 2, args=["crash"], timeout=60, check=False,
+                            env={"ZERO_CORE_COMM_TIMEOUT": "20"}, cluster=cluster)
         assert results[1].returncode == 3
         assert results[0].returncode not in (0, None), results[0].log  # noticed, did not hang
         assert results[0].report is None
-        with pytest.raises(ec.MultiRankError, match="killed at the timeout"):
-            cluster.run_ranks(__file__, ranks_per_node=1, args=["hang"], timeout=2)
+        with pytest.raises(MultiRankError, match="killed at the timeout"):
+            run_ranks(__file__, 2, args=["hang"], timeout=2, cluster=cluster)
         for node in cluster.nodes:  # the hung ranks are gone, not just abandoned
             pids = subprocess.run(["ip", "netns", "pids", node.namespace], capture_output=True,
                                   text=True).stdout.split()
             assert pids == []
-    assert ec.leftovers(PREFIX) == []
+    assert netns.leftovers(PREFIX) == []
 
 
 @pytest.mark.multirank
@@ -285,29 +285,29 @@ def test_mpirun_places_ranks_in_both_nodes_and_mpi_traffic_is_shaped(privileged)
     size = 2 << 20
     with _cluster(rate="100mbit") as cluster:
         before = cluster.link_bytes()
-        results = cluster.run_ranks(__file__, ranks_per_node=1, launcher="mpirun",
-                                    args=["bandwidth", size, 1, "mpi"], timeout=90)
+        results = run_ranks(__file__, 2, launcher="mpirun", args=["bandwidth", size, 1, "mpi"],
+                            timeout=90, cluster=cluster)
         crossed = {k: v - before[k] for k, v in cluster.link_bytes().items()}
         reports = [r.report for r in results]
         assert [r["launcher"] for r in reports] == ["openmpi", "openmpi"]
         assert [r["local_rank"] for r in reports] == [0, 0]
         assert reports[0]["netns"] != reports[1]["netns"]  # one rank in each node
-        burst, _ = ec.tbf_parameters(cluster.rate_bps)
+        burst, _ = netns.tbf_parameters(cluster.rate_bps)
         floor_s = (size - burst) / (cluster.rate_bps / 8)
         for rep in reports:
             assert min(rep["inter_s"]) >= floor_s, (rep["inter_s"], floor_s)
             assert rep["inter_ledger"]["inter_node_bytes"] == size
         for direction, sent in crossed.items():
             assert size <= sent <= 1.25 * size + (256 << 10), (direction, sent)
-    assert ec.leftovers(PREFIX) == []
+    assert netns.leftovers(PREFIX) == []
 
 
 def test_exception_inside_removes_the_cluster(privileged):
     with pytest.raises(RuntimeError, match="boom"):
         with _cluster(rate="1gbit"):
-            assert len(ec.leftovers(PREFIX)) == 2
+            assert len(netns.leftovers(PREFIX)) == 2
             raise RuntimeError("boom")
-    assert ec.leftovers(PREFIX) == []
+    assert netns.leftovers(PREFIX) == []
 
 
 def test_leftovers_of_a_killed_run_are_removed_at_start(privileged):
@@ -320,17 +320,17 @@ def test_leftovers_of_a_killed_run_are_removed_at_start(privileged):
     sleeper = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "600"])
     try:
         time.sleep(0.2)
-        assert set(ec.leftovers(PREFIX)) >= {ns, link}
+        assert set(netns.leftovers(PREFIX)) >= {ns, link}
         with _cluster(rate="1gbit") as cluster:
             assert sleeper.wait(timeout=10) is not None  # ended by the clean-up
-            assert len(ec.leftovers(PREFIX)) == 2  # just the fresh namespaces
+            assert len(netns.leftovers(PREFIX)) == 2  # just the fresh namespaces
             assert "tbf" in cluster.qdiscs()[ns]
-        assert ec.leftovers(PREFIX) == []
+        assert netns.leftovers(PREFIX) == []
     finally:
         if sleeper.poll() is None:
             sleeper.kill()
             sleeper.wait()
-        ec.cleanup(PREFIX)
+        netns.cleanup(PREFIX)
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 128 + 15), (signal.SIGINT, 128 + 2),
@@ -341,14 +341,14 @@ def test_signals_remove_the_cluster(privileged, sig, code):
     # SIGINT at its default disposition in the child: a job that a non-interactive shell
     # started in the background (`cmd &`) inherits SIGINT ignored, and Python then never
     # raises KeyboardInterrupt
-    proc = subprocess.Popen([sys.executable, CLUSTER_PY, "hold", "--prefix", PREFIX,
+    proc = subprocess.Popen([*CLUSTER_CLI, "hold", "--prefix", PREFIX,
                              "--subnet", SUBNET, "--rate", "100mbit"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()  # printed once the cluster is up
         assert line.startswith("up:"), (line, proc.stderr.read() if proc.poll() is not None else "")
-        assert len(ec.leftovers(PREFIX)) == 2
+        assert len(netns.leftovers(PREFIX)) == 2
         proc.send_signal(sig)
         assert proc.wait(timeout=30) == code, proc.stderr.read()
     finally:
@@ -356,8 +356,8 @@ def test_signals_remove_the_cluster(privileged, sig, code):
             proc.kill()
             proc.wait()
     if sig == signal.SIGKILL:
-        assert len(ec.leftovers(PREFIX)) == 2
+        assert len(netns.leftovers(PREFIX)) == 2
         with _cluster(rate="1gbit"):
             # `ip netns add` of the same names succeeded: the old ones were removed first
-            assert len(ec.leftovers(PREFIX)) == 2
-    assert ec.leftovers(PREFIX) == []
+            assert len(netns.leftovers(PREFIX)) == 2
+    assert netns.leftovers(PREFIX) == []

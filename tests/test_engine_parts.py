@@ -119,7 +119,7 @@ def test_stage0to2_reducer():
     try:
         assert type(engine.reducer) is GradReducer
         assert_conforms(engine.reducer, GradReducerProtocol)
-        for gb in engine._buffers:
+        for gb in engine.parts.buffers:
             if gb is not None:
                 assert_conforms(gb, BucketBuffersProtocol)
     finally:
@@ -132,13 +132,13 @@ def test_stage3_parts(bf16):
     try:
         assert type(engine.reducer) is Stage3GradReducer
         assert_conforms(engine.reducer, GradReducerProtocol)
-        groups = [gb for gb in engine._buffers if gb is not None] + [engine._frozen_buffers]
-        assert engine._frozen_buffers is not None
+        groups = [gb for gb in engine.parts.buffers if gb is not None] + [engine.parts.frozen_buffers]
+        assert engine.parts.frozen_buffers is not None
         for gb in groups:
             assert type(gb) is Stage3GroupBuffers
             assert_conforms(gb, UnitBuffersProtocol)
             assert (gb.state_kind, gb.gathers_after_step) == ("partition", False)
-        source = engine.gatherer.part_source
+        source = engine.parts.gatherer.part_source
         assert type(source) is ResidentPartitions
         assert_conforms(source, ParamSourceProtocol)
     finally:
@@ -149,13 +149,13 @@ def test_stage3_parts(bf16):
 def test_stage3_parts_with_parameter_offload(device, tmp_path):
     engine = make_engine(3, device, tmp_path)
     try:
-        store = engine.param_offload
+        store = engine.parts.param_store
         assert type(store) is ParamOffload
         assert_conforms(store, ParamStoreProtocol)
         assert_conforms(store, ParamSourceProtocol)
-        assert engine.gatherer.part_source is store
+        assert engine.parts.gatherer.part_source is store
         assert engine.optimizer.param_sink is store
-        for gb in [gb for gb in engine._buffers if gb is not None] + [engine._frozen_buffers]:
+        for gb in [gb for gb in engine.parts.buffers if gb is not None] + [engine.parts.frozen_buffers]:
             assert type(gb) is OffloadedStage3GroupBuffers
             assert_conforms(gb, UnitBuffersProtocol)
             assert gb.store is store
@@ -167,7 +167,7 @@ def test_stage3_parts_with_parameter_offload(device, tmp_path):
 
 
 def test_offload_imports_nothing_of_stage3():
-    """stage3/engine.py composes the parameter offload; the arrow never points back."""
+    """stage3/parts.py composes the parameter offload; the arrow never points back."""
     found = []
     for path in sorted((ROOT / "zero_core" / "offload").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -1,5 +1,5 @@
 """A model trained again after its stage-3 engine is done with it (issue 27 §3):
-``Stage3Engine.hand_back_model`` returns the model partitioned as ``zero_core.Init``
+``engine.hand_back_model`` (Stage3Parts.hand_back_model) returns the model partitioned as ``zero_core.Init``
 leaves it, from the engine's fp32 master, and the integrations build their next engine on
 it — a second ``ZeroCoreTrainer.train()``, and Lightning's ``fit`` after ``validate``.
 
@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
-from zero_core.testing import run_ranks  # noqa: E402
+from zero_core.testing.ranks import run_ranks  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "engine_reuse.py")
 SEED = random.randrange(1, 10**6)   # fresh data and weights each session; messages carry it
@@ -49,7 +49,7 @@ def test_second_train_matches_hf_ddp(reports):
     for rank, rep in enumerate(reports):
         hf = rep["hf"]
         assert hf["ref_moved"] > 100 * TOL, ("the second reference train() did not train", hf)
-        for name, engine in (("zc3", "Stage3Engine"), ("zc2", "ZeroEngine")):
+        for name, engine in (("zc3", "Stage3Parts"), ("zc2", "Stage0to2Parts")):
             r = hf[name]
             where = (name, rank, f"seed {SEED}")
             assert r["engine"] == engine and r["new_engine"] and r["steps"] == 2, where

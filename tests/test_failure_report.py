@@ -26,7 +26,7 @@ from zero_core.runtime import failures, launch as launch_mod
 from zero_core.runtime.failures import (FailureReport, failure_key, job_id,
                                         peer_failure_reason, user_location)
 from zero_core.runtime.launch import LaunchInfo, single_process_notice
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "failure_report.py")
 STAGE7 = "ConfigError: config key 'zero_optimization.stage' = 7: expected 0, 1, 2 or 3"

@@ -16,7 +16,7 @@ import pytest
 
 from zero_core.config import parse_config
 from zero_core.errors import ConfigError
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "generation.py")
 

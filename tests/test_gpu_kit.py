@@ -1,4 +1,4 @@
-"""The GPU kit (ci/gpu_check.py) dry-run on the CPU: the kit's own code paths run, its
+"""The GPU kit (ci/gpu/check.py) dry-run on the CPU: the kit's own code paths run, its
 report files are written, and every check that can run here passes.
 
 On the GPU machine the kit runs as ``bash ci/gpu_check.sh``; here ``--device cpu`` uses
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KIT = os.path.join(REPO, "ci", "gpu_check.py")
+KIT = os.path.join(REPO, "ci", "gpu", "check.py")
 
 pytestmark = pytest.mark.slow
 
@@ -91,12 +91,12 @@ def test_the_kit_refuses_cuda_without_a_gpu():
 
 def test_conformance_failures_are_read_from_the_suites_report():
     sys.path.insert(0, os.path.dirname(KIT))
-    import gpu_check_cases
+    import conformance_checks
     report = {"ok": False, "aborted": "", "counts": {"pass": 1, "FAIL": 1},
               "results": {"all_reduce/sum/fp32": {"status": "FAIL", "detail": "off by 1"},
                           "barrier": {"status": "pass", "detail": ""},
                           "all_to_all/int8": {"status": "unsupported", "detail": ""}}}
-    numbers, failures = gpu_check_cases._conformance_numbers(report)
+    numbers, failures = conformance_checks.conformance_numbers(report)
     assert numbers["failed"] == ["all_reduce/sum/fp32"]
     assert numbers["unsupported"] == ["all_to_all/int8"]
     assert len(failures) == 1 and "off by 1" in failures[0]
@@ -140,7 +140,7 @@ def _worst_ratio(kernel, **mistake):
 
     import torch
     sys.path.insert(0, os.path.dirname(KIT))
-    import gpu_check_cases
+    import kernel_checks
     from zero_core.accel_kernels import optim_reference as ref
     gen = torch.Generator().manual_seed(20261127)
     worst = 0.0
@@ -160,7 +160,7 @@ def _worst_ratio(kernel, **mistake):
                     functools.partial(kernel, **mistake)(
                         mine["param"], grad, mine["exp_avg"], mine["exp_avg_sq"], **kw)
                     ref.adam_step(want["param"], grad, want["exp_avg"], want["exp_avg_sq"], **kw)
-                    bounds = gpu_check_cases.adam_error_bound(state, grad, want, ulps=64, **kw)
+                    bounds = kernel_checks.adam_error_bound(state, grad, want, ulps=64, **kw)
                     for key in want:
                         diff = (mine[key].double() - want[key].double()).abs()
                         worst = max(worst, float((diff / (bounds[key] + 1e-30)).max()))

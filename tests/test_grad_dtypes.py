@@ -26,7 +26,7 @@ import os
 
 import pytest
 
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "grad_dtypes.py")
 RANKS = 2

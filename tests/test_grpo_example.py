@@ -33,7 +33,7 @@ import sys
 import pytest
 import torch
 
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import grpo_gpt as grpo  # noqa: E402

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from zero_core.errors import ConfigError, ZeroCoreError
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "hf_pretrained.py")
 SHARD = "60KB"   # the worker's max_shard_size too: several shards for this model
@@ -164,7 +164,7 @@ def test_save_pretrained_stage3_engine_one_rank(tmp_path, runtime_down):
     save_pretrained(engine, tmp_path)   # now one file: the shards and the index must go
     assert sorted(os.listdir(tmp_path)) == ["config.json", "generation_config.json",
                                             "model.safetensors"]
-    assert not any(u.state.value != "released" for u in engine.units if not u.persistent)
+    assert not any(u.state.value != "released" for u in engine.parts.units if not u.persistent)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
     assert sorted(reloaded) == sorted(expected)
     assert all(torch.equal(reloaded[k], expected[k]) for k in expected)

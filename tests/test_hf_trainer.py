@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
 WORKER = os.path.join(WORKERS, "hf_trainer_train.py")
@@ -68,7 +68,7 @@ def test_matches_hf_ddp(launches, comm):
     rep, _ = launches(comm)
     assert rep["deepspeed_imported"] is False
     assert rep["accelerate"] == {"distributed_type": "DistributedType.MULTI_CPU", "num_processes": 2}
-    expected_engine = {"zc2": "ZeroEngine", "zc3": "Stage3Engine", "zc3cfg": "Stage3Engine"}
+    expected_engine = {"zc2": "Stage0to2Parts", "zc3": "Stage3Parts", "zc3cfg": "Stage3Parts"}
     for name in runs(comm):
         r = rep[name]
         where = f"{name} over {comm}, seed {SEED}"

@@ -32,7 +32,7 @@ from zero_core.memory import MemoryLedger
 from zero_core.optim.partitioned import PartitionedOptimizer
 from zero_core.optim.rules import require_offloadable, rule_from_config
 from zero_core.runtime import registry
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 from workers.optim_train import (LAMB, assemble, build_group, ref_lamb_step, run_world,
                                  set_reduced_grads, train_lamb)

@@ -39,7 +39,7 @@ import pytest
 pytest.importorskip("lightning")
 
 from zero_core.errors import ConfigError  # noqa: E402
-from zero_core.testing import mpirun_path, run_ranks  # noqa: E402
+from zero_core.testing.ranks import mpirun_path, run_ranks  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = os.path.join(HERE, "workers")

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 # peft is in the test extra (the workers import it, not pytest: importing it here would cost
 # every test run its import time); without it the launch fails, it is not skipped

@@ -25,7 +25,7 @@ import os
 
 import pytest
 
-from zero_core.testing import mpirun_path, run_ranks
+from zero_core.testing.ranks import mpirun_path, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "offload_train.py")
 COMM = {"torchrun": "gloo", "mpirun": "mpi"}

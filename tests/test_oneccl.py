@@ -25,7 +25,7 @@ from zero_core.backends.comm.oneccl import OneCclCommunicator
 from zero_core.backends.comm.oneccl_lib import LIBRARY_INSTALL, elf_needed
 from zero_core.errors import BackendUnavailable
 from zero_core.runtime.launch import LaunchInfo
-from zero_core.testing import mpirun_path, run_ranks
+from zero_core.testing.ranks import mpirun_path, run_ranks
 from zero_core.runtime.topology import resolve_ranks_per_node
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "oneccl_checks.py")

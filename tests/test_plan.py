@@ -20,7 +20,7 @@ from zero_core.plan import cluster as clusters
 from zero_core.plan import comm as plan_comm
 from zero_core.plan import memory as plan_memory
 from zero_core.plan import model, planner
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import gpt  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_core.testing import run_ranks
+from zero_core.testing.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "examples" / "plugin_template"
@@ -188,7 +188,7 @@ def test_plugin_never_wins_auto_detection_over_builtin_cpu(plugin_dir):
 COLLECTIVES_WORKER = """
 import torch
 import zero_core
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 
 rt = zero_core.init_distributed()   # selection from ZERO_CORE_ACCELERATOR / ZERO_CORE_COMM
 comm, r, n = rt.comm, rt.rank, rt.world_size

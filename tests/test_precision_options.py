@@ -110,7 +110,7 @@ def test_gradient_predivide_factor_splits_the_average(stage):
         x = torch.randn(4, 6)
         engine.backward(engine(x).pow(2).mean())
         engine.reducer.wait_all()  # overlap_comm: the last bucket may still be in flight
-        grads = [t.clone() for gb in engine._buffers if gb is not None
+        grads = [t.clone() for gb in engine.parts.buffers if gb is not None
                  for t in gb.reduced_grad_tensors()]
         reference(x.double()).pow(2).mean().backward()
         flat_ref = torch.cat([r.grad.reshape(-1) for r in reference.parameters()])

@@ -31,7 +31,7 @@ import os
 import pytest
 
 from zero_core.memory import PRECISION_BYTES, optimizer_k
-from zero_core.testing import mpirun_path, run_ranks
+from zero_core.testing.ranks import mpirun_path, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "stage3_train.py")
 RTOL_FP32, RTOL_BF16, RTOL_FP16, CKPT_RTOL = 1e-5, 2e-2, 3e-3, 1e-6

@@ -64,9 +64,9 @@ def seed():
 def test_unpacking_a_released_unit_gathers_it_again(seed):
     engine = make_engine(seed)
     try:
-        views = engine.module_hooks.saved_views
-        u = next(u for u in engine.units if u.numel > 100)
-        engine.gatherer.ensure([u])
+        views = engine.parts.module_hooks.saved_views
+        u = next(u for u in engine.parts.units if u.numel > 100)
+        engine.parts.gatherer.ensure([u])
         full = u.full
         original = full.clone()
         view = full.narrow(0, 5, 40).view(8, 5).t()          # non-contiguous, offset
@@ -74,7 +74,7 @@ def test_unpacking_a_released_unit_gathers_it_again(seed):
         assert type(packed) is not torch.Tensor, "a view of a gathered unit must be packed"
         expected = view.clone()
         del view, full
-        engine.gatherer.release(u)
+        engine.parts.gatherer.release(u)
         assert u.state is UnitState.RELEASED and u.full is None
         again = views._unpack(packed)
         assert u.state is UnitState.GATHERED
@@ -94,7 +94,7 @@ def test_backward_after_a_step_is_an_error_not_new_values(seed):
         engine.backward(engine(x).pow(2).mean())
         engine.step()
         stale = engine(x).pow(2).mean()
-        assert engine.module_hooks.saved_views.packed > 0
+        assert engine.parts.module_hooks.saved_views.packed > 0
         engine.backward(engine(x).pow(2).mean())   # another update, on a graph of its own
         engine.step()
         with pytest.raises(ZeroCoreError, match="before the last optimizer step"):

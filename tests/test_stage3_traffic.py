@@ -28,7 +28,7 @@ import os
 import pytest
 
 from zero_core.memory import comm_bytes_per_step
-from zero_core.testing import mpirun_path, run_ranks
+from zero_core.testing.ranks import mpirun_path, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "stage3_traffic.py")
 BYTES = {"fp32": 4, "bf16": 2}

@@ -36,7 +36,7 @@ import os
 
 import pytest
 
-from zero_core.testing import mpirun_path, run_ranks
+from zero_core.testing.ranks import mpirun_path, run_ranks
 from zero_core.zeropp.volume import zero3_inter_node_bytes, zeropp_inter_node_bytes
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "zeropp_train.py")

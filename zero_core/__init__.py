@@ -29,7 +29,7 @@ from zero_core.factory import initialize  # noqa: E402,F401
 from zero_core.generation.generate import gathered_for_generation  # noqa: E402,F401
 from zero_core.stage3.generation_cache import GenerationDivergedError  # noqa: E402,F401
 from zero_core.runtime.context import get_runtime, init_distributed  # noqa: E402,F401
-from zero_core.stage0to2.engine import ZeroEngine  # noqa: E402,F401
+from zero_core.engine.core import ZeroEngine  # noqa: E402,F401
 from zero_core.stage3 import (GatheredParameters, Init, ParameterNotGatheredError,  # noqa: E402,F401
                               register_external_parameter, unregister_external_parameter)
 

@@ -99,7 +99,7 @@ def versions() -> dict:
         builds.append(f"ROCm {torch.version.hip}")
     result["torch"] = f"{torch.__version__} ({', '.join(builds) or 'no CUDA/ROCm'})"
     result["MPI library"] = mpi_library_version()
-    from zero_core.testing import mpirun_path
+    from zero_core.testing.ranks import mpirun_path
     result["mpirun"] = mpirun_path() or "not found"
     return result
 

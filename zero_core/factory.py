@@ -1,6 +1,8 @@
-"""``initialize``: DeepSpeed's entry point — parse the config, start the runtime, pick the engine.
+"""``initialize``: DeepSpeed's entry point — parse the config, start the runtime, build the
+engine with its stage's parts.
 
-The only module that knows both engine classes; the engines themselves never import it.
+The only module that knows the stages (:data:`STAGE_PARTS`); the engine (engine/core.py)
+and the stages never import it.
 """
 from __future__ import annotations
 
@@ -10,8 +12,12 @@ from zero_core.runtime.agreement import check_ranks_agree
 from zero_core.runtime.context import init_distributed
 from zero_core.runtime.failures import install_failure_report
 from zero_core.runtime.launch import discover, single_process_notice
-from zero_core.stage0to2.engine import ZeroEngine
-from zero_core.stage3.engine import Stage3Engine
+from zero_core.engine.core import ZeroEngine
+from zero_core.stage0to2.parts import Stage0to2Parts
+from zero_core.stage3.parts import Stage3Parts
+
+#: zero_optimization.stage -> what that stage contributes to the engine (engine/contract.py)
+STAGE_PARTS = {0: Stage0to2Parts, 1: Stage0to2Parts, 2: Stage0to2Parts, 3: Stage3Parts}
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None,
@@ -46,7 +52,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
         # before the engines' first collectives, which differ between stages: ranks that
         # disagree would otherwise hang in them until the communicator times out
         check_ranks_agree(runtime, cfg, model, optimizer)
-    engine_class = Stage3Engine if cfg.zero_optimization.stage == 3 else ZeroEngine
-    engine = engine_class(model, cfg, runtime, optimizer=optimizer,
-                          model_parameters=model_parameters, lr_scheduler=lr_scheduler)
+    engine = ZeroEngine(model, cfg, runtime, STAGE_PARTS[cfg.zero_optimization.stage],
+                        optimizer=optimizer, model_parameters=model_parameters,
+                        lr_scheduler=lr_scheduler)
     return engine, engine.optimizer, None, engine.lr_scheduler

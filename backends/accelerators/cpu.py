@@ -23,9 +23,9 @@ _CLEAR_REFS = "/proc/self/clear_refs"
 _MEMINFO = "/proc/meminfo"
 
 # The communicator a CPU job uses when none is configured. Under an MPI launcher it is MPI:
-# on a quiet machine (session 2, README Benchmarks) ci/bench_comm.py measured zero-core's MPI
+# on a quiet machine (session 2, docs/benchmarks.md "Communication") ci/bench/comm.py measured zero-core's MPI
 # communicator faster than its gloo one on every collective of a mebibyte or more, and
-# ci/bench_engine.py / bench_stage3.py had stages 1-3 as fast or faster over MPI. (Session 1
+# ci/bench/engine.py / ci/bench/stage3.py had stages 1-3 as fast or faster over MPI. (Session 1
 # had chosen gloo from runs where 8 jobs shared 2 cores: Open MPI busy-polls while it waits,
 # which costs most when cores are oversubscribed.) Otherwise gloo, which needs no MPI.
 # "comm_backend" or ZERO_CORE_COMM selects either. This is the one place to flip the choice.

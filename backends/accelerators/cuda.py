@@ -2,7 +2,8 @@
 
 Nothing here initializes CUDA at import: ``torch.cuda`` is only queried in
 ``availability()`` and the methods, which run once a job has chosen this accelerator.
-Not run on real GPUs yet: covered by selection and contract tests (see the README).
+Run on one GPU at world size 1 by the GPU kit (``bash ci/gpu_check.sh``), and by selection
+and contract tests in CI (docs/hardware.md, "What runs where").
 """
 from __future__ import annotations
 

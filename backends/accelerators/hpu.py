@@ -6,7 +6,7 @@ documents in ``habana_frameworks.torch.hpu``: ``is_available``, ``device_count``
 ``synchronize``, ``Stream`` / ``stream`` / ``Event`` / ``current_stream`` and the memory
 API (``memory_allocated``, ``max_memory_allocated``, ``reset_peak_memory_stats``,
 ``memory_stats`` whose ``"Limit"`` is the device memory). Not run on Gaudi yet: covered by
-selection and contract tests only (see the README).
+selection and contract tests only (docs/hardware.md, "What runs where").
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ a tensor whose size is not a multiple of n is padded). The result is the fp32 su
 the 16-bit inputs rounded once — at least as accurate as any 16-bit ring.
 
 The same route is also the faster one for other dtypes with Open MPI on one host
-(measured with fp32 on 2 and 4 ranks; the figures are in the README, section Benchmarks):
+(measured with fp32 on 2 and 4 ranks; the figures are in docs/design.md, "Measurements behind design choices in the code"):
 all-to-all + local sum is several times faster than ``Reduce_scatter_block`` on large
 buffers and no slower on small ones; the composite all-reduce beats ``Allreduce`` on large
 buffers but loses on small ones. So reduce_scatter always takes the all-to-all route, and
@@ -25,7 +25,7 @@ all_reduce takes it for 16-bit floats and for buffers of at least
 Asynchrony: Open MPI has no progress thread for non-blocking collectives, so an
 ``Iallreduce`` posted before a matmul only moves data when the rank calls MPI again
 (measured: the peer of a rank that is computing finished its Iallreduce only after that
-computation had ended; with the design below, long before it — README, Benchmarks).
+computation had ended; with the design below, long before it — docs/design.md).
 Every MPI call of this communicator therefore runs on one worker thread, in submission
 order, as a *blocking* collective (mpi4py releases the GIL inside MPI calls, and torch
 kernels release it too), and ``async_op`` returns a handle on its future. Synchronous

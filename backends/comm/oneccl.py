@@ -17,7 +17,7 @@ thread; with oneCCL's own pinned worker thread small all-reduces were far slower
 machine with few cores), ``CCL_PROCESS_LAUNCHER=none`` with
 ``CCL_LOCAL_RANK`` / ``CCL_LOCAL_SIZE`` from the launcher, ``CCL_LOG_LEVEL=error``, and on
 a single host ``CCL_KVS_IFACE=lo`` / ``FI_TCP_IFACE=lo`` (nothing leaves the machine).
-The measurements behind these choices are in the README, section Benchmarks.
+The measurements behind these choices are in docs/design.md.
 Known library fault: an ``FI_PROVIDER`` naming a provider libfabric does not have makes
 oneCCL 2022.2 abort the process ("free(): double free detected", SIGABRT) while it creates
 the communicator; nothing in this module can catch that.

@@ -18,8 +18,8 @@ collective and the group. On nccl/hccl, ``wait`` does not block the host for the
 timeout; there the process group's own timeout (set to the same value at
 initialization) and its watchdog end a stuck collective.
 
-Gloo fast paths (measured with ci/bench_comm.py and interleaved micro-benchmarks; the
-figures are in the README, section Benchmarks): on one host gloo's own all-gather and
+Gloo fast paths (measured with ci/bench/comm.py and interleaved micro-benchmarks; the
+figures are in docs/design.md): on one host gloo's own all-gather and
 reduce-scatter are several times slower than its all-to-all, and an all-gather sent as
 point-to-point messages is faster still than an all-to-all of a replicated shard, on 2
 and 4 ranks; neither path is slower for small tensors. So :class:`GlooCommunicator` carries

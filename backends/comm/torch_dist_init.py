@@ -11,7 +11,7 @@ Rendezvous under launchers that do not set MASTER_ADDR/PORT: under ``mpirun``, r
 picks its address and a free port and shares them through MPI (ARCHITECTURE §3), so
 ``mpirun -np N python train.py`` needs no extra environment. MPI itself is imported
 through :func:`.mpi.import_mpi`, the MPI communicator's discovery (one install hint).
-``zero_core.testing.free_port`` is the launcher-side twin of :func:`free_port`
+``zero_core.testing.ranks.free_port`` is the launcher-side twin of :func:`free_port`
 (for torchrun-style test jobs): the layering rule lets neither side import the other.
 """
 from __future__ import annotations

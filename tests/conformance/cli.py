@@ -33,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     """Run the suite on this rank; 0 when every check passed (or is declared unsupported)."""
     from zero_core.runtime import context as runtime
-    from zero_core.testing import report as report_to_launcher
+    from zero_core.testing.ranks import report as report_to_launcher
 
     args = parse_args(argv)
     result = run_conformance(args.comm, args.accelerator, plugins=args.plugin,
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
                              timeout=args.timeout, select=args.select,
                              check_comm=not args.accelerator_only,
                              check_accelerators=not args.comm_only)
-    if os.environ.get("ZERO_CORE_REPORT_DIR"):  # launched by zero_core.testing.run_ranks
+    if os.environ.get("ZERO_CORE_REPORT_DIR"):  # launched by zero_core.testing.ranks.run_ranks
         report_to_launcher(result.to_json())
     if not result.aborted:  # after an abort, peers may be gone: do not wait for them
         runtime.shutdown()

@@ -29,7 +29,7 @@ from zero_core import checkpointing
 from zero_core.runtime import context as runtime
 from zero_core.errors import ConfigError
 from zero_core.interfaces.ledger import CommLedger
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 
 B, T, H, FF, LAYERS, STEPS, KEEP = 4, 4, 16, 24, 2, 2, 0.75
 DTYPE = torch.float64

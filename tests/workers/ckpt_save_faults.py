@@ -32,7 +32,7 @@ from ckpt_train import build, global_micro, params_of, rt, train_global  # noqa:
 
 from zero_core.checkpoint import store  # noqa: E402
 from zero_core.checkpoint.store import CheckpointError  # noqa: E402
-from zero_core.testing import leave_rank, report  # noqa: E402
+from zero_core.testing.ranks import leave_rank, report  # noqa: E402
 
 #: name -> (rank that fails, rule for Faults); the rule's "file" is a name in the save
 SCENARIOS = {

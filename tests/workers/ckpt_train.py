@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import zero_core
 from zero_core.checkpoint import store as checkpoint_store
 from zero_core.checkpoint.store import CheckpointError
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 
 VOCAB, DIM, SEQ, MICRO, GAS = 32, 16, 6, 2, 2
 GLOBAL_BATCH = 16  # rows per optimizer step in the resharding runs, split over the ranks
@@ -199,7 +199,7 @@ def counters(engine) -> dict:
 
 def fragments_of(engine, purpose) -> list:
     return [[f.name, f.start, f.end, {k: v.float().tolist() for k, v in f.tensors.items()}]
-            for f in engine._checkpoint_fragments(purpose)]
+            for f in engine.checkpoint_subject().fragments(purpose)]
 
 
 def rel_diff(a: dict, b: dict) -> float:

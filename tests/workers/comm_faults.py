@@ -26,7 +26,7 @@ from zero_core.runtime import registry
 from zero_core.errors import CommError
 from zero_core.runtime.launch import discover
 from zero_core.runtime.context import comm_timeout
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 from zero_core.runtime.topology import resolve_ranks_per_node
 
 BACKEND, MODE = sys.argv[1], sys.argv[2]

@@ -19,7 +19,7 @@ import torch
 from zero_core.runtime import registry
 from zero_core.runtime.launch import discover
 from zero_core.runtime.context import comm_timeout
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 from zero_core.runtime.topology import resolve_ranks_per_node
 
 BACKEND, COMPUTE = sys.argv[1], float(sys.argv[2])

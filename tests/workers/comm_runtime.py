@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core.runtime import context as runtime
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 
 BACKEND = sys.argv[1]
 env_before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}

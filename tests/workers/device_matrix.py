@@ -11,7 +11,7 @@ batches and reports, per scenario:
   between a cpu launch and a vdev launch: they must be bit-identical;
 * ``rel_diff`` against a single-process plain-torch reference (stages 0-3, no ZeRO++/
   quantization), so both accelerators are also right, not just equal;
-* ``misplaced``: engine-owned tensors not where they belong (zero_core.device_audit);
+* ``misplaced``: engine-owned tensors not where they belong (zero_core.testing.device_audit);
 * ``transfer``: host<->device bytes of the last optimizer step, from vdev's allocator
   (device runs) and the ledger's staging counters, next to the ledger's wire bytes.
 
@@ -29,9 +29,10 @@ import sys
 import torch
 
 import zero_core
-from zero_core import checkpointing, device_audit
+from zero_core import checkpointing
+from zero_core.testing import device_audit
 from zero_core.runtime.context import shutdown
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 
 sys.path.insert(0, os.path.dirname(__file__))
 from stage3_train import (MICRO, PENALTY, Net, ce, full_params, global_batch, groups_of,  # noqa: E402
@@ -164,11 +165,11 @@ def run_scenario(name: str, scratch: str) -> dict:
                         "offload": wire["transfers"]},
            # this rank's partition of every group (elements) and the bytes per element of
            # gradients and parameters: the offloaded step's traffic formula
-           "partition_numel": sum(gb.layout.partition_numel for gb in engine._buffers
+           "partition_numel": sum(gb.layout.partition_numel for gb in engine.parts.buffers
                                   if gb is not None),
            # the offloaded step's host gradient buffer is fp32 (the copy converts)
            "grad_bytes": 4,
-           "param_bytes": next(gb.param_buf.dtype.itemsize for gb in engine._buffers
+           "param_bytes": next(gb.param_buf.dtype.itemsize for gb in engine.parts.buffers
                                if gb is not None),
            "device": str(engine.device), "skipped": engine.skipped_steps,
            "precision": ("bf16" if cfg.get("bf16", {}).get("enabled")

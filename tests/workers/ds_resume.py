@@ -3,7 +3,7 @@ the DeepSpeed checkpoints of tests/fixtures/deepspeed_checkpoints.
 
 Usage: ``python ds_resume.py '<json list of tasks>'`` on every rank; each rank reports the
 list of the tasks' results. The model, param groups and data are those of
-ci/make_deepspeed_fixtures.py (imported from there, so they cannot drift apart).
+ci/tools/make_deepspeed_fixtures.py (imported from there, so they cannot drift apart).
 
 Actions:
 
@@ -30,13 +30,13 @@ import torch
 
 import zero_core
 from zero_core.checkpoint.store import CheckpointError
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed_checkpoints")
 _spec = importlib.util.spec_from_file_location(
-    "make_deepspeed_fixtures", os.path.join(REPO, "ci", "make_deepspeed_fixtures.py"))
+    "make_deepspeed_fixtures", os.path.join(REPO, "ci", "tools", "make_deepspeed_fixtures.py"))
 fx = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fx)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,7 +67,7 @@ def build(case: str, stage: int, variant=None):
 def weight_fragments(engine) -> list:
     """This rank's fragments of the fp32 master weights (frozen: the parameter)."""
     out = []
-    for f in engine._checkpoint_fragments("save"):
+    for f in engine.checkpoint_subject().fragments("save"):
         key = "master" if "master" in f.tensors else "param"
         out.append([f.name, f.start, f.end, f.tensors[key].float().tolist()])
     return out

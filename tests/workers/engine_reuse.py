@@ -1,5 +1,5 @@
 """2-rank worker of tests/test_engine_reuse.py: a model trained again after its stage-3
-engine is done with it (``Stage3Engine.hand_back_model``), through the integrations.
+engine is done with it (``engine.hand_back_model``), through the integrations.
 
 Usage: ``python engine_reuse.py <seed> <out_dir>`` on 2 ranks (torchrun-style variables,
 gloo). In one launch (lightning and transformers are imported once):
@@ -30,7 +30,7 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 import zero_core  # noqa: E402
 from zero_core.integrations.transformers import ZeroCoreTrainer  # noqa: E402
 from zero_core.stage3 import partitioned_params as pp  # noqa: E402
-from zero_core.testing import leave_rank, report  # noqa: E402
+from zero_core.testing.ranks import leave_rank, report  # noqa: E402
 
 import hf_trainer_common as H  # noqa: E402
 import lightning_common as C  # noqa: E402
@@ -72,7 +72,7 @@ def hf_two_trains(name: str, stage: int | None) -> dict:
            "steps": trainer.state.global_step}
     if stage is not None:
         out["new_engine"] = trainer.engine is not first_engine
-        out["engine"] = type(trainer.engine).__name__
+        out["engine"] = type(trainer.engine.parts).__name__
     return out
 
 
@@ -93,8 +93,8 @@ def master_values(engine) -> dict[str, torch.Tensor]:
     """name -> the engine's master values of that parameter, gathered here with
     torch.distributed (not zero-core's code) from each rank's master partition."""
     out = {}
-    for u in engine.units:
-        mine = engine._buffers[u.group].master.bucket(u.bucket).contiguous()
+    for u in engine.parts.units:
+        mine = engine.parts.buffers[u.group].master.bucket(u.bucket).contiguous()
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, mine)
         full = torch.cat(parts)
@@ -123,7 +123,7 @@ def precision_part() -> dict:
     engine, *_ = zero_core.initialize(model=model, config=config)
     train(engine, 3)
     master = master_values(engine)
-    units = len(engine.units)
+    units = len(engine.parts.units)
     returned = engine.hand_back_model()
     params = dict(model.named_parameters())
     init_form = all(type(p) is pp.PartitionedParameter and pp.meta_of(p).unit is None

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import zero_core
-from zero_core.testing import leave_rank, report
+from zero_core.testing.ranks import leave_rank, report
 
 VOCAB, DIM, SEQ, MICRO = 32, 16, 6, 2
 

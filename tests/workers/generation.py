@@ -17,7 +17,7 @@ import transformers
 
 import zero_core
 from zero_core.interfaces.communicator import CommLedger
-from zero_core.testing import leave_rank, report
+from zero_core.testing.ranks import leave_rank, report
 
 NEW = 6
 PROMPTS = torch.tensor([[5, 17, 33, 2, 90, 41], [7, 7, 64, 12, 3, 100]])
@@ -46,7 +46,7 @@ def engine_for(model, extra: dict, optimizer: bool = True):
 
 def first_use_sizes(engine) -> list[int]:
     """Padded unit sizes in the order a forward first requests them (module hooks here)."""
-    unit_of = {id(p): u for u in engine.units for p in u.params}
+    unit_of = {id(p): u for u in engine.parts.units for p in u.params}
     order: list = []
 
     def pre(module, args):
@@ -55,13 +55,13 @@ def first_use_sizes(engine) -> list[int]:
             if all(u is not v for v in order):
                 order.append(u)
     handles = [m.register_forward_pre_hook(pre) for m in engine.module.modules()]
-    saved = engine.coordinator.generation.budget
+    saved = engine.parts.coordinator.generation.budget
     with torch.no_grad():
         engine.module(PROMPTS[:, :2])
-    engine.coordinator.end_generation()
+    engine.parts.coordinator.end_generation()
     for h in handles:
         h.remove()
-    assert saved == engine.coordinator.generation.budget
+    assert saved == engine.parts.coordinator.generation.budget
     return [u.padded_numel for u in order]
 
 
@@ -98,7 +98,7 @@ def decode(engine, ref, how, **kwargs) -> dict:
             got = model.generate(PROMPTS, **args)
     return {"tokens_equal": bool(torch.equal(got, want)), "tokens": got.tolist(),
             "bytes": gathered_bytes(before, engine.comm.ledger.snapshot()),
-            "passes": calls[0], "live_after": engine.gatherer.live_numel}
+            "passes": calls[0], "live_after": engine.parts.gatherer.live_numel}
 
 
 def budget_scenario(budget) -> dict:
@@ -108,10 +108,10 @@ def budget_scenario(budget) -> dict:
     engine = engine_for(model, extra)
     sizes = first_use_sizes(engine)
     out = decode(engine, ref, "module")
-    out.update(sizes=sizes, budget=engine.coordinator.generation.budget)
+    out.update(sizes=sizes, budget=engine.parts.coordinator.generation.budget)
     # the kept units stay until training resumes; engine.train() releases them
     engine.train()
-    out["live_after_train"] = engine.gatherer.live_numel
+    out["live_after_train"] = engine.parts.gatherer.live_numel
     return out
 
 
@@ -127,7 +127,7 @@ def hybrid_scenario() -> dict:
         second = decode(engine, ref, "engine")
         engine.train()
         out[f"release={release}"] = {"first": first, "second": second,
-                                     "live_after_train": engine.gatherer.live_numel}
+                                     "live_after_train": engine.parts.gatherer.live_numel}
     try:
         engine.generate(PROMPTS, max_new_tokens=64)
     except zero_core.ZeroCoreError as exc:
@@ -164,7 +164,7 @@ def inference_engine() -> dict:
         want = ref(PROMPTS).logits
     out = {"optimizer_is_none": engine.optimizer is None,
            "logits_equal": bool(torch.equal(logits, want)),
-           "trainable_units": sum(u.trainable for u in engine.units),
+           "trainable_units": sum(u.trainable for u in engine.parts.units),
            "memory": engine.memory_report(),
            "model_numel": sum(p.numel() for p in ref.parameters())}
     try:
@@ -195,7 +195,7 @@ def diverging(rank: int) -> dict:
 def main():
     probe = engine_for(build(), {})
     rank = probe.global_rank
-    model_numel = sum(u.padded_numel for u in probe.units)
+    model_numel = sum(u.padded_numel for u in probe.parts.units)
     probe.destroy()
     report({"world_size": probe.world_size, "model_numel": model_numel,
             "fits": budget_scenario(None), "half": budget_scenario(model_numel // 2),

@@ -28,7 +28,7 @@ import torch
 
 import zero_core
 from zero_core.errors import ConfigError
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 
 #: parameter shapes: several reduce buckets of 200 elements, parameters straddling them
 SHAPES = ((30, 10), (77,), (19, 27), (64,), (129,))
@@ -112,7 +112,7 @@ def run_window(engine, seed, precision, gas, rank, window=0):
 def owned_values(engine):
     """{(group, bucket): (float64 copy of the reduced gradient, its dtype)} of this rank."""
     out = {}
-    for j, gb in enumerate(engine._buffers):
+    for j, gb in enumerate(engine.parts.buffers):
         if gb is None:
             continue
         for k in range(gb.num_buckets):
@@ -124,7 +124,7 @@ def owned_values(engine):
 def owned_reference(engine, ref: dict, rank: int, world: int) -> dict:
     """The same slices as owned_values, of the per-parameter float64 vectors *ref*."""
     out = {}
-    for j, gb in enumerate(engine._buffers):
+    for j, gb in enumerate(engine.parts.buffers):
         if gb is None:
             continue
         if hasattr(gb, "units"):   # stage 3: bucket k is fetch unit k
@@ -168,7 +168,7 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
 def reduce_elements(engine) -> int:
     """Padded elements one reduction of every bucket/unit carries."""
     total = 0
-    for gb in engine._buffers:
+    for gb in engine.parts.buffers:
         if gb is None:
             continue
         total += (sum(u.padded_numel for u in gb.units) if hasattr(gb, "units")

@@ -28,7 +28,7 @@ import torch
 import zero_core
 from zero_core.accel_kernels import quant_reference
 from zero_core.interfaces.communicator import CommLedger
-from zero_core.testing import leave_rank, report
+from zero_core.testing.ranks import leave_rank, report
 from zero_core.zeropp.wire import QWZ_BITS, QWZ_BLOCK
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
@@ -111,8 +111,8 @@ def iteration_scenario(rank: int, world: int) -> dict:
     return {
         "decode_gathers": decode_gathers,
         "ref_optimizer_is_none": ref_opt is None and optimizer is not None,
-        "partitioned": all(u.padded_numel // world == u.part.numel() for u in policy.units)
-                       and not any(u.persistent for u in policy.units),
+        "partitioned": all(u.padded_numel // world == u.part.numel() for u in policy.parts.units)
+                       and not any(u.persistent for u in policy.parts.units),
         "prompts_equal": torch.equal(got.prompts, want.prompts[mine]),
         "tokens_equal": torch.equal(got.completions, want.completions[mine]),
         "next_tokens_equal": torch.equal(got_next.completions, want_next.completions[mine]),
@@ -135,7 +135,7 @@ def quantized_copy(engine, model: torch.nn.Module, world: int) -> torch.nn.Modul
     the reference kernel (block QWZ_BLOCK, QWZ_BITS bits), as QuantizedGather does."""
     named = dict(model.named_parameters())
     with torch.no_grad():
-        for u in engine.units:
+        for u in engine.parts.units:
             if u.persistent:
                 continue
             flat = torch.zeros(u.padded_numel)

@@ -27,7 +27,7 @@ import torch
 import zero_core
 from zero_core.integrations.transformers import from_pretrained, save_pretrained
 from zero_core.stage3 import partitioned_params as pp
-from zero_core.testing import leave_rank, report
+from zero_core.testing.ranks import leave_rank, report
 
 SHARD = "60KB"
 

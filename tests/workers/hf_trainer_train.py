@@ -32,7 +32,7 @@ import torch
 from transformers import GPT2LMHeadModel, Trainer
 
 from zero_core.integrations.transformers import ZeroCoreTrainer
-from zero_core.testing import leave_rank, report
+from zero_core.testing.ranks import leave_rank, report
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_trainer_common import (N_EVAL, N_TRAIN, TokenData, deepspeed_warmup_decay,  # noqa: E402
@@ -76,7 +76,7 @@ def run(name: str, trainer_cls, weight_decay: float, model=None, **extra) -> dic
         saved = os.path.join(OUT, name, "final_model")
         trainer.save_model(saved)
         out["saved"] = saved
-        out["engine"] = type(trainer.engine).__name__
+        out["engine"] = type(trainer.engine.parts).__name__
         out["comm"] = trainer.engine.comm.name
     return out
 

@@ -19,7 +19,7 @@ import lightning_common as C  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 
 from zero_core.integrations.lightning import ZeroCoreStrategy  # noqa: E402
-from zero_core.testing import leave_rank, report  # noqa: E402
+from zero_core.testing.ranks import leave_rank, report  # noqa: E402
 
 
 def main():

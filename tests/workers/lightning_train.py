@@ -23,7 +23,7 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from zero_core.integrations.lightning import ZeroCoreStrategy  # noqa: E402
-from zero_core.testing import leave_rank, report  # noqa: E402
+from zero_core.testing.ranks import leave_rank, report  # noqa: E402
 
 
 def metrics(trainer) -> dict:

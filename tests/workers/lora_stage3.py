@@ -19,7 +19,7 @@ import torch
 import transformers
 
 import zero_core
-from zero_core.testing import leave_rank, report
+from zero_core.testing.ranks import leave_rank, report
 
 STEPS, MICRO, SEQ, LR, WD = 2, 2, 8, 1e-2, 0.01
 
@@ -94,7 +94,7 @@ def main():
                     for n in named if n not in lora_names}
 
     units = [{"trainable": bool(u.trainable), "names": list(u.names),
-              "padded_numel": u.padded_numel} for u in engine.units]
+              "padded_numel": u.padded_numel} for u in engine.parts.units]
     mem = engine.memory_report()
 
     engine.eval()

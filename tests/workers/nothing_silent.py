@@ -19,7 +19,7 @@ import time
 import torch
 
 import zero_core
-from zero_core.testing import leave_rank, report
+from zero_core.testing.ranks import leave_rank, report
 
 SEED = 20261125
 
@@ -84,7 +84,7 @@ def state(engine) -> list[torch.Tensor]:
     """Clones of everything an update changes on this rank: parameters (this rank's
     partition at stage 3), fp32 master, optimizer states, step counts."""
     out = []
-    for j, gb in enumerate(engine._buffers):
+    for j, gb in enumerate(engine.parts.buffers):
         if gb is None:
             continue
         out.append(gb.param_buf.data.clone())

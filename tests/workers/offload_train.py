@@ -25,7 +25,7 @@ import torch
 import zero_core
 from zero_core.offload import cleanup
 from zero_core.stage3 import GatheredParameters
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 
 STEPS, GAS, MICRO, DIM = 4, 2, 3, 24
 
@@ -136,7 +136,7 @@ def task_train(scratch, name, stage, precision, opt_device, param_device):
     losses += train(engine, STEPS // 2, STEPS - STEPS // 2)
     rep = engine.memory_report().get("offload")
     # which way the fp32 master was made at build (offloaded stage 3 only)
-    from_store = [getattr(gb, "_master_from_store", None) for gb in engine._buffers
+    from_store = [getattr(gb, "_master_from_store", None) for gb in engine.parts.buffers
                   if gb is not None]
     return {"name": name, "losses": losses, "values": values(engine, model),
             "master_from_store": from_store,

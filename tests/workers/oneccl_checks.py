@@ -32,7 +32,7 @@ import torch
 
 from zero_core.runtime import context as runtime
 from zero_core.conformance import run_conformance
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 
 SEED = int(sys.argv[1])
 FAULTS = sys.argv[2:] == ["faults"]

@@ -328,7 +328,7 @@ def fragments_report(engine) -> list:
     """What this rank saves: [name, start, end, {key: [dtype, values]}] per fragment."""
     return [[f.name, f.start, f.end,
              {k: [str(t.dtype), t.float().tolist()] for k, t in f.tensors.items()}]
-            for f in engine._checkpoint_fragments("save")]
+            for f in engine.checkpoint_subject().fragments("save")]
 
 
 def bf16_checkpoint(stage: int = 2, steps: int = 3, seed: int = 5) -> dict:
@@ -357,7 +357,7 @@ SCENARIOS = {
 }
 
 def main():
-    from zero_core.testing import leave_rank, report
+    from zero_core.testing.ranks import leave_rank, report
     report({name: SCENARIOS[name]() for name in sys.argv[1].split(",")})
     leave_rank()
 

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 import zero_core  # noqa: E402
 from gpt import build_model, lm_loss  # noqa: E402
-from zero_core.testing import leave_rank, report  # noqa: E402
+from zero_core.testing.ranks import leave_rank, report  # noqa: E402
 
 task = json.loads(sys.argv[1])
 out = []

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 import zero_core
-from zero_core.testing import leave_rank, report
+from zero_core.testing.ranks import leave_rank, report
 
 WIDTH, BLOCKS, MICRO = 64, 4, 2
 
@@ -83,10 +83,10 @@ def run(precision: str, threshold: int, reuse: int, max_live: int) -> dict:
            "kept_elements": kept_for_backward(
                [sum(p.numel() for p in model[i:i + 2].parameters() if p.numel() >= threshold)
                 for i in range(0, len(model), 2)], max_live),
-           "unit_numel": sum(u.numel for u in engine.units),
-           "unit_padded_numel": sum(u.padded_numel for u in engine.units),
-           "units": len(engine.units),
-           "persistent_units": sum(u.persistent for u in engine.units)}
+           "unit_numel": sum(u.numel for u in engine.parts.units),
+           "unit_padded_numel": sum(u.padded_numel for u in engine.parts.units),
+           "units": len(engine.parts.units),
+           "persistent_units": sum(u.persistent for u in engine.parts.units)}
     engine.destroy()
     return out
 

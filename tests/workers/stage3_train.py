@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import zero_core
 from zero_core import checkpointing
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 
 VOCAB, DIM, SEQ, MICRO = 32, 16, 6, 2
 PENALTY = 1e-2
@@ -380,7 +380,7 @@ def live_window():
         torch.manual_seed(11)
         model = Stack()
         engine, _, _, _ = zero_core.initialize(model=model, config=cfg)
-        buffers = watch_gathered_buffers(engine.gatherer)
+        buffers = watch_gathered_buffers(engine.parts.gatherer)
         held = []
         for step in range(3):
             x = torch.randn(MICRO, 16, generator=torch.Generator().manual_seed(step * 10 + rt.rank))
@@ -393,7 +393,7 @@ def live_window():
             engine.step()
         rep = engine.memory_report()["stage3"]
         rep["held_after_forward"] = held
-        rep["unit_bytes"] = sorted(u.padded_numel * 4 for u in engine.units if not u.persistent)
+        rep["unit_bytes"] = sorted(u.padded_numel * 4 for u in engine.parts.units if not u.persistent)
         out[name] = rep
         engine.destroy()
     return out

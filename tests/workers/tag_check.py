@@ -14,7 +14,7 @@ import torch
 
 import zero_core
 from zero_core.checkpoint.store import CheckpointError
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 
 out = {}
 for mode in ("Fail", "Warn"):

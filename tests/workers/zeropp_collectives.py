@@ -15,7 +15,7 @@ import torch
 
 from zero_core.runtime.context import get_runtime, init_distributed, shutdown
 from zero_core.stage3.units import FetchUnit
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 from zero_core.zeropp.fetch import UnitFetch
 from zero_core.zeropp.hpz import SecondaryPartitions, hpz_group
 from zero_core.zeropp.qgz import TwoHopGradientReduce

@@ -21,7 +21,7 @@ import time
 import torch
 
 import zero_core
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from gpt import build_model, lm_loss  # noqa: E402
@@ -71,12 +71,12 @@ def ledger_scenario(tokens) -> dict:
             variant, persistence=0, stage3_max_reuse_distance=0))
         sampler = GlobalBatchSampler(tokens, SEQ, MICRO, engine.world_size, seed=0)
         train(engine, sampler, 3)
-        last = [u.index for u in engine.units if "lm_head.weight" in u.names]
+        last = [u.index for u in engine.parts.units if "lm_head.weight" in u.names]
         mem = engine.memory_report()
         out[variant] = {
             "comm": engine.comm_report(),
             "units": [{"padded": u.padded_numel, "persistent": u.persistent,
-                       "trainable": u.trainable, "index": u.index} for u in engine.units],
+                       "trainable": u.trainable, "index": u.index} for u in engine.parts.units],
             "last_forward_unit": last,
             "num_parameters": engine.num_parameters,
             "zeropp": mem.get("zeropp"),

@@ -3,7 +3,7 @@ on a DeepSpeed directory; save_load.py hands it over).
 
 Every rank indexes the checkpoint (deepspeed_layout.py: the rank-0 model-states and
 optimizer-states files, memory-mapped), asks its engine which ranges it owns now
-(``engine._checkpoint_fragments("load")``, as for zero-core's own checkpoints), plans the
+(``subject.fragments("load")``, as for zero-core's own checkpoints), plans the
 reads with engine_state.py's :func:`plan_reads` and reads the DeepSpeed files that hold
 them, one file at a time, through the restricted unpickler. So a checkpoint DeepSpeed
 wrote with N ranks at stage S loads into zero-core on M ranks at stage S'.
@@ -31,10 +31,10 @@ HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "momentum
               "dampening", "nesterov")
 
 
-def check_model(engine, ck: DeepSpeedCheckpoint) -> None:
-    """Refuse a checkpoint of another model, naming the parameters that differ."""
+def check_model(module, ck: DeepSpeedCheckpoint) -> None:
+    """Refuse a checkpoint of another model than *module*, naming the parameters that
+    differ."""
     saved = ck.param_shapes()
-    module = engine.module
     mine = {n: tuple(p.shape) for n, p in module.named_parameters()}
     tied = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     missing = [n for n in mine if n not in saved]
@@ -70,32 +70,33 @@ def check_model(engine, ck: DeepSpeedCheckpoint) -> None:
                               "before loading")
 
 
-def _engine_groups(engine) -> tuple[list, set]:
-    names = parameter_names(engine.module)
+def _engine_groups(module, optimizer) -> tuple[list, set]:
+    names = parameter_names(module)
     groups = [[names[id(p)] for p in g["params"] if id(p) in names]
-              for g in engine.optimizer.param_groups]
-    trainable = {names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]
+              for g in optimizer.param_groups]
+    trainable = {names[id(p)] for g in optimizer.param_groups for p in g["params"]
                  if id(p) in names and p.requires_grad}
     return groups, trainable
 
 
 @torch.no_grad()
-def load_deepspeed(engine, load_dir: str, tag=None, load_optimizer_states: bool = True,
+def load_deepspeed(subject, load_dir: str, tag=None, load_optimizer_states: bool = True,
                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
     """Collective: load DeepSpeed checkpoint *tag* (default: ``latest``) of *load_dir* into
-    *engine*. Returns ``(checkpoint directory, client_state)`` like
+    the engine *subject* (a ``CheckpointSubject``) shows. Returns
+    ``(checkpoint directory, client_state)`` like
     :func:`~zero_core.checkpoint.save_load.load_checkpoint`."""
     states = load_optimizer_states and not load_module_only
     error: Exception | None = None
     ck = None
     try:
         ck = DeepSpeedCheckpoint(load_dir, tag)
-        check_model(engine, ck)
-        groups, trainable = _engine_groups(engine)
+        check_model(subject.module, ck)
+        groups, trainable = _engine_groups(subject.module, subject.optimizer)
         index = ck.fragment_index(groups, trainable)
-        wanted = engine._checkpoint_fragments("load")
+        wanted = subject.fragments("load")
         plan = plan_reads(wanted, index, lambda k: k in WEIGHT_KEYS or states, ck.where)
-        buffers = dict(engine.module.named_buffers())
+        buffers = dict(subject.module.named_buffers())
         if ck.optim_files and ck.optim_files[0] not in plan:
             ck.forget()
         src = None
@@ -113,19 +114,19 @@ def load_deepspeed(engine, load_dir: str, tag=None, load_optimizer_states: bool 
                 buffers[n].copy_(ck.model["module"][n])
     except CheckpointError as exc:
         error = exc
-    store.raise_unless_loaded_everywhere(engine.comm, error, f"DeepSpeed checkpoint {load_dir}")
-    engine._checkpoint_restored()
+    store.raise_unless_loaded_everywhere(subject.comm, error, f"DeepSpeed checkpoint {load_dir}")
+    subject.restored()
     if not load_module_only:
-        _restore_common(engine, ck, states, load_lr_scheduler_states)
+        _restore_common(subject, ck, states, load_lr_scheduler_states)
     return ck.tag_dir, ck.client_state()
 
 
-def _restore_common(engine, ck: DeepSpeedCheckpoint, states: bool, scheduler: bool) -> None:
+def _restore_common(subject, ck: DeepSpeedCheckpoint, states: bool, scheduler: bool) -> None:
     model = ck.model
-    engine.global_steps = int(model.get("global_steps", 0))
-    engine.skipped_steps = int(model.get("skipped_steps", 0))
-    engine.micro_steps = engine.global_steps * int(getattr(engine, "gradient_accumulation_steps", 1))
-    opt = engine.optimizer
+    global_steps = int(model.get("global_steps", 0))
+    subject.set_counters(global_steps, global_steps * subject.gradient_accumulation_steps,
+                         int(model.get("skipped_steps", 0)))
+    opt = subject.optimizer
     if states:
         steps = ck.group_steps()
         hyper = ck.hyperparameters()
@@ -140,10 +141,10 @@ def _restore_common(engine, ck: DeepSpeedCheckpoint, states: bool, scheduler: bo
         if hasattr(opt, "step_counts") and len(steps) == len(opt.step_counts):
             opt.step_counts[:] = steps
     sched = model.get("lr_scheduler")
-    if scheduler and isinstance(sched, dict) and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(sched)
+    if scheduler and isinstance(sched, dict) and subject.lr_scheduler is not None:
+        subject.lr_scheduler.load_state_dict(sched)
     scale = ck.loss_scaler_state()
-    scaler = getattr(engine, "loss_scaler", None)
+    scaler = subject.loss_scaler
     if scale is not None and scaler is not None:
         current = scaler.state_dict()
         if current.get("type") == scale["type"]:

@@ -21,38 +21,35 @@ trained in one run and frozen in the other is loaded from whichever of master/pa
 The shard's other contents (RNG states, buffers, ``common.pt``) and the save and load
 procedures are in save_load.py.
 
-The interface an engine provides
---------------------------------
-``engine._checkpoint_fragments(purpose)`` → list of :class:`Fragment` whose ``tensors``
-are *views* (1-D, ``end - start`` elements) into the engine's live state:
+What a stage provides
+--------------------
+The engine hands the checkpoint procedures a
+:class:`~zero_core.interfaces.engine_parts.CheckpointSubject` whose ``fragments(purpose)``
+are the stage's (``StageParts.checkpoint_fragments``, engine/contract.py): a list of
+:class:`Fragment` whose ``tensors`` are *views* (1-D, ``end - start`` elements) into the
+live state:
 
 * ``purpose="save"``: the fragments this rank writes. Over all ranks they must cover every
-  element of every parameter of ``engine.module`` exactly once (each parameter under its
-  first name in ``module.named_parameters()``); trained parameters with ``"master"`` and
-  every optimizer-state key, others with ``"param"``.
+  element of every parameter of the module exactly once (each parameter under its first
+  name in ``module.named_parameters()``); trained parameters with ``"master"`` and every
+  optimizer-state key, others with ``"param"``.
 * ``purpose="load"``: the fragments this rank must fill to hold its share after loading
   (whatever its stage keeps on this rank; may overlap other ranks'). The loader copies the
   checkpoint's values into these views (converting dtypes).
 
-``engine._checkpoint_restored()`` — collective, called on every rank after the views were
-filled: rebuild whatever is derived from them (low-precision parameters from the fp32
-master, replicated copies by all-gather, gathered/persistent stage-3 units, ...).
+``restored()`` — collective, called on every rank after the views were filled: rebuild
+whatever is derived from them (low-precision parameters from the fp32 master, replicated
+copies by all-gather, gathered/persistent stage-3 units, ...). ``layout()`` — a JSON-able
+description of the partition layout, stored in the metadata for people and tools.
 
-``engine._checkpoint_layout()`` (optional) — a JSON-able description of the partition
-layout, stored in the metadata for people and tools (loading does not need it).
-
-It also reads these engine attributes: ``module``, ``comm``, ``global_rank``,
-``world_size``, ``stage``, ``compute_dtype``, ``device``, ``optimizer.param_groups``,
-``optimizer.step_counts``, ``global_steps``, ``micro_steps``, ``skipped_steps``,
-``loss_scaler``, ``lr_scheduler``. :func:`layout_fragments` builds fragments from a
-:class:`~zero_core.partitioning.layout.GroupLayout` and flat buffers, which is all stages 0–3 need.
-
-Implementations: :func:`zero_fragments` / :func:`zero_restored` (ZeroEngine, stages 0–2:
-rank r saves slice r of every bucket, also at stage 0; frozen parameters from rank 0) and
-:func:`stage3_fragments` / :func:`stage3_restored` (Stage3Engine: each rank's partition of
-every fetch unit; restore re-derives the low-precision partitions and releases gathered
-units). Optimizers re-created from other torch.optim classes (rule kind "torch") are
-refused for now.
+:func:`layout_fragments` builds fragments from a
+:class:`~zero_core.partitioning.layout.GroupLayout` and flat buffers, which is all stages
+0–3 need. The stages' implementations call :func:`bucket_fragments` /
+:func:`restore_bucket_params` (stages 0–2: rank r saves slice r of every bucket, also at
+stage 0; frozen parameters from rank 0) and :func:`unit_fragments` /
+:func:`restore_unit_params` (stage 3: each rank's partition of every fetch unit). Optimizers
+re-created from other torch.optim classes (rule kind "torch") are refused for now
+(:func:`refuse_unsupported_optimizer`).
 """
 from __future__ import annotations
 
@@ -119,33 +116,28 @@ def parameter_names(module: torch.nn.Module) -> dict:
     return {id(p): n for n, p in module.named_parameters()}
 
 
-def zero_fragments(engine, purpose: str) -> list[Fragment]:
-    """``_checkpoint_fragments`` of the stage 0-2 engine (engine.py).
+def bucket_fragments(purpose: str, module, buffers: list, flat_state: list, stage: int,
+                     rank: int, world_size: int) -> list[Fragment]:
+    """The fragments of stages 0-2 (stage0to2/parts.py): flat buffers per group.
 
     Saving: rank r writes slice r of every bucket (at stage 0 too, so the work is spread);
     loading: stage 0 fills whole buffers, stages 1-2 this rank's partition (fp32 training:
-    its slice of the parameter buffer; ``_checkpoint_restored`` all-gathers the rest).
+    its slice of the parameter buffer; :func:`restore_bucket_params` all-gathers the rest).
     Parameters outside the flat buffers (frozen) are replicated: written by rank 0.
     """
-    _refuse_unsupported_optimizer(engine)
-    if engine.stage not in (0, 1, 2):
-        raise CheckpointError(f"{type(engine).__name__} (stage {engine.stage}) must implement "
-                              f"_checkpoint_fragments/_checkpoint_restored itself (see "
-                              f"zero_core/checkpoint/engine_state.py)")
-    names = parameter_names(engine.module)
-    rank, world = engine.global_rank, engine.world_size
-    everything = purpose == "load" and engine.stage == 0
+    names = parameter_names(module)
+    everything = purpose == "load" and stage == 0
     out, trained = [], set()
-    for j, gb in enumerate(engine._buffers):
+    for j, gb in enumerate(buffers):
         if gb is None:
             continue
         trained.update(id(p) for p in gb.params)
         sources = {MASTER: gb.master if gb.master is not None else gb.param_buf}
-        sources.update(engine.optimizer.flat_state[j])
+        sources.update(flat_state[j])
         out += layout_fragments(gb.layout, gb.params, names, sources, rank,
-                                range(world) if everything else [rank])
+                                range(world_size) if everything else [rank])
     if purpose == "load" or rank == 0:
-        out += replicated_fragments(engine.module, trained, names)
+        out += replicated_fragments(module, trained, names)
     return out
 
 
@@ -164,13 +156,13 @@ def replicated_fragments(module, exclude: set, names: dict) -> list[Fragment]:
 
 
 @torch.no_grad()
-def zero_restored(engine) -> None:
-    """``_checkpoint_restored`` of the stage 0-2 engine: low-precision parameters from the
-    fp32 master (stage 0: whole buffer; stages 1-2: all-gather of every rank's slice)."""
-    for gb in engine._buffers:
+def restore_bucket_params(buffers: list, stage: int, comm) -> None:
+    """After a stage 0-2 load: the low-precision parameters from the fp32 master (stage 0:
+    whole buffer; stages 1-2: all-gather of every rank's slice). Collective."""
+    for gb in buffers:
         if gb is None:
             continue
-        if engine.stage == 0:
+        if stage == 0:
             if gb.master is not None:
                 gb.param_buf.data.copy_(gb.master.data)
             continue
@@ -178,34 +170,22 @@ def zero_restored(engine) -> None:
             # the master may be in host memory (offload_optimizer): send from the device
             send = gb.master_bucket(k).to(gb.param_buf.data.device, gb.param_buf.dtype,
                                           copy=True)
-            engine.comm.all_gather_into(gb.param_buf.bucket(k), send)
-    engine.zero_grad()
+            comm.all_gather_into(gb.param_buf.bucket(k), send)
 
 
-def zero_layout(engine) -> list:
-    """``_checkpoint_layout`` of the stage 0-2 engine: each group's flat layout."""
-    names = parameter_names(engine.module)
-    return [None if gb is None else {
-        "params": [names[id(p)] for p in gb.params], "numels": list(gb.layout.numels), "bucket_sizes": list(gb.layout.bucket_sizes),
-        "alignment": gb.layout.alignment, "world_size": gb.layout.world_size}
-        for gb in engine._buffers]
-
-
-def stage3_fragments(engine, purpose: str) -> list[Fragment]:
-    """``_checkpoint_fragments`` of the stage-3 engine (stage3/engine.py): this rank's
-    partition of every fetch unit, for saving and loading alike — trained groups with
-    master and optimizer states, the frozen units' partition with ``"param"``."""
-    _refuse_unsupported_optimizer(engine)
-    names = parameter_names(engine.module)
-    rank = engine.global_rank
+def unit_fragments(module, buffers: list, frozen, flat_state: list,
+                   rank: int) -> list[Fragment]:
+    """The fragments of stage 3 (stage3/parts.py): this rank's partition of every fetch
+    unit, for saving and loading alike — trained groups with master and optimizer states,
+    the frozen units' partition (*frozen*, or None) with ``"param"``."""
+    names = parameter_names(module)
     out = []
-    for j, gb in enumerate(engine._buffers):
+    for j, gb in enumerate(buffers):
         if gb is None:
             continue
         sources = {MASTER: gb.master if gb.master is not None else gb.param_buf}
-        sources.update(engine.optimizer.flat_state[j])
+        sources.update(flat_state[j])
         out += layout_fragments(gb.layout, gb.params, names, sources, rank, [rank])
-    frozen = getattr(engine, "_frozen_buffers", None)
     if frozen is not None:
         out += layout_fragments(frozen.layout, frozen.params, names, {PARAM: frozen.param_buf},
                                 rank, [rank])
@@ -213,31 +193,26 @@ def stage3_fragments(engine, purpose: str) -> list[Fragment]:
 
 
 @torch.no_grad()
-def stage3_restored(engine) -> None:
-    """``_checkpoint_restored`` of the stage-3 engine: the low-precision partitions from the
-    fp32 master, and every gathered (or persistent) unit released, so that the next
-    forward gathers the loaded values."""
-    for gb in engine._buffers:
+def restore_unit_params(buffers: list) -> None:
+    """After a stage-3 load: the low-precision partitions from the fp32 master."""
+    for gb in buffers:
         if gb is not None and gb.master is not None:
             gb.param_buf.data.copy_(gb.master.data)
-    engine.coordinator.release_all()
-    engine.zero_grad()
 
 
-def stage3_layout(engine) -> list:
-    """``_checkpoint_layout`` of the stage-3 engine: per group (frozen units last), its
-    fetch units' parameters and padded sizes."""
-    names = parameter_names(engine.module)
-    groups = list(engine._buffers) + [getattr(engine, "_frozen_buffers", None)]
+def group_layouts(module, buffers: list, fetch_units: bool = False) -> list:
+    """Each group's flat layout (None for a group without buffers), for the metadata."""
+    names = parameter_names(module)
     return [None if gb is None else {
         "params": [names[id(p)] for p in gb.params], "numels": list(gb.layout.numels),
         "bucket_sizes": list(gb.layout.bucket_sizes), "alignment": gb.layout.alignment,
-        "world_size": gb.layout.world_size, "fetch_units": True}
-        for gb in groups]
+        "world_size": gb.layout.world_size, **({"fetch_units": True} if fetch_units else {})}
+        for gb in buffers]
 
 
-def _refuse_unsupported_optimizer(engine) -> None:
-    rule = getattr(engine, "_rule", None)
+def refuse_unsupported_optimizer(rule) -> None:
+    """Optimizers re-created from other torch.optim classes keep a state zero-core does not
+    checkpoint yet: refused by name before anything is written or read."""
     if rule is not None and rule.kind == "torch":
         raise CheckpointError(
             f"checkpointing the state of a re-created torch.optim.{rule.torch_class.__name__} "

@@ -13,9 +13,10 @@ the cause (:func:`failure_cause`, from the errno) — at once, not after a timeo
 go on training. Only a rank that dies mid-save leaves its partial directory behind.
 
 Loading: every rank reads the manifest, plans which saved fragments overlap what it owns
-now, copies them in, then lets the engine rebuild what is derived
-(``_checkpoint_restored``). DeepSpeed ZeRO checkpoints are
-recognized and handed to deepspeed_resume.py.
+now, copies them in, then lets the stage rebuild what is derived (``subject.restored()``).
+The procedures see the engine only through its
+:class:`~zero_core.interfaces.engine_parts.CheckpointSubject` (``engine.checkpoint_subject()``).
+DeepSpeed ZeRO checkpoints are recognized and handed to deepspeed_resume.py.
 
 Per rank, the shard also holds the rank's RNG states (torch CPU generator, the
 accelerator's, Python's ``random``, numpy's global generator); rank 0's shard holds the
@@ -328,18 +329,18 @@ def save_files(comm, save_dir: str, tag: str, write_files: Callable[[str], dict]
 
 
 # ---- save ----------------------------------------------------------------------------------------
-def save_checkpoint(engine, save_dir: str, tag=None, client_state=None,
+def save_checkpoint(subject, save_dir: str, tag=None, client_state=None,
                     save_latest: bool = True) -> str:
-    """Collective: save *engine* as checkpoint *tag* (default ``global_step<N>``) in
-    *save_dir*; returns the checkpoint's directory. See the module docstring.
+    """Collective: save the engine that *subject* (a ``CheckpointSubject``) shows as
+    checkpoint *tag* (default ``global_step<N>``) in *save_dir*; returns the checkpoint's directory. See the module docstring.
 
     *client_state* (plain data: dict, list, str, numbers, tensors) is rank 0's, as in
     DeepSpeed; :func:`load_checkpoint` returns it on every rank. Per-rank streams belong
     in the RNGs, which are saved per rank.
     """
-    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-    rank = engine.global_rank
-    fragments = engine._checkpoint_fragments("save")
+    tag = f"global_step{subject.counters['global_steps']}" if tag is None else str(tag)
+    rank = subject.rank
+    fragments = subject.fragments("save")
     # one flat tensor per (key, dtype): fragments are streamed into it, never concatenated
     columns: dict[str, list] = {}
     records = []
@@ -359,8 +360,8 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None,
             prev[2] = f.end  # a parameter crossing a bucket border: one record
         else:
             records.append([f.name, f.start, f.end, keys])
-    rng_tensors, rng_plain = capture_rng(engine.device)
-    module = engine.module
+    rng_tensors, rng_plain = capture_rng(subject.device)
+    module = subject.module
     metadata: dict = {}  # rank 0's, filled while writing: save_files reads it afterwards
 
     def write_files(directory: str) -> dict:
@@ -380,28 +381,27 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None,
             os.path.join(directory, store.shard_name(rank)), entries,
             {"format": "zero-core-shard", "rank": str(rank), "rng": json.dumps(rng_plain)})}
         if rank == 0:
-            common = common_state(engine, client_state)
+            common = common_state(subject, client_state)
             out[store.COMMON] = store.save_plain(os.path.join(directory, store.COMMON), common)
-            metadata.update(engine_metadata(engine, described, fragments))
+            metadata.update(engine_metadata(subject, described, fragments))
         return out
 
     index = {"file": store.shard_name(rank), "fragments": records}
-    return save_files(engine.comm, save_dir, tag, write_files, index, metadata, save_latest)
+    return save_files(subject.comm, save_dir, tag, write_files, index, metadata, save_latest)
 
 
-def common_state(engine, client_state) -> dict:
+def common_state(subject, client_state) -> dict:
     """What rank 0 stores in ``common.pt`` (checked to be weights_only-loadable)."""
-    opt = engine.optimizer
+    opt = subject.optimizer
     common = {
-        "global_steps": int(engine.global_steps), "micro_steps": int(engine.micro_steps),
-        "skipped_steps": int(engine.skipped_steps),
+        **{k: int(v) for k, v in subject.counters.items()},
         "optimizer": {"groups": [{k: v for k, v in g.items() if k != "params"}
                                  for g in opt.param_groups],
                       "step_counts": [int(s) for s in getattr(opt, "step_counts", [])]},
-        "lr_scheduler": (engine.lr_scheduler.state_dict()
-                         if getattr(engine, "lr_scheduler", None) is not None else None),
-        "loss_scaler": (engine.loss_scaler.state_dict()
-                        if getattr(engine, "loss_scaler", None) is not None else None),
+        "lr_scheduler": (subject.lr_scheduler.state_dict()
+                         if subject.lr_scheduler is not None else None),
+        "loss_scaler": (subject.loss_scaler.state_dict()
+                        if subject.loss_scaler is not None else None),
         "client_state": client_state if client_state is not None else {},
     }
     check_plain(common["client_state"], "client_state")
@@ -409,41 +409,39 @@ def common_state(engine, client_state) -> dict:
     return common
 
 
-def engine_metadata(engine, described: dict, fragments) -> dict:
+def engine_metadata(subject, described: dict, fragments) -> dict:
     """What rank 0 puts in metadata.json besides the store's own keys."""
     from zero_core.version import __version__
     state_keys = sorted({k for f in fragments for k in f.tensors if k not in WEIGHT_KEYS})
-    layout = engine._checkpoint_layout() if hasattr(engine, "_checkpoint_layout") else None
-    rule = getattr(engine, "_rule", None)
+    layout = subject.layout()
+    rule = subject.rule
     return {
         "format": "zero-core-checkpoint", "zero_core_version": __version__,
-        "engine": type(engine).__name__, "stage": int(engine.stage),
-        "compute_dtype": dtype_name(engine.compute_dtype),
+        "engine": subject.engine_name, "stage": int(subject.stage),
+        "compute_dtype": dtype_name(subject.compute_dtype),
         "model": described,
         "optimizer": {"kind": rule.kind if rule is not None else None,
                       "state_keys": state_keys,
                       "groups": json.loads(json.dumps(
                           [{k: v for k, v in g.items() if k != "params"}
-                           for g in engine.optimizer.param_groups], default=str))},
+                           for g in subject.optimizer.param_groups], default=str))},
         # informational (loading reads each column's own dtype): bf16 with
         # bf16_master_weights_and_grads / bf16_optimizer_states
-        "dtypes": {"master": dtype_name(engine.master_dtype),
-                   "optimizer_states": dtype_name(engine.state_dtype),
-                   "param": dtype_name(engine.compute_dtype)},
+        "dtypes": {"master": dtype_name(subject.master_dtype),
+                   "optimizer_states": dtype_name(subject.state_dtype),
+                   "param": dtype_name(subject.compute_dtype)},
         "layout": layout,
-        "counters": {"global_steps": int(engine.global_steps),
-                     "micro_steps": int(engine.micro_steps),
-                     "skipped_steps": int(engine.skipped_steps)},
+        "counters": {k: int(v) for k, v in subject.counters.items()},
         "common": store.COMMON, "buffers_in": store.shard_name(0),
     }
 
 
 # ---- load ----------------------------------------------------------------------------------------
 @torch.no_grad()
-def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool = True,
+def load_checkpoint(subject, load_dir: str, tag=None, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False):
     """Collective: load checkpoint *tag* (default: ``latest``) from *load_dir* into
-    *engine*, whatever world size and stage it was saved with. Returns
+    the engine *subject* shows, whatever world size and stage it was saved with. Returns
     ``(checkpoint directory, client_state)``.
 
     ``load_module_only``: only parameters and buffers (not master-derived optimizer state,
@@ -454,25 +452,25 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
     no ``metadata.json``) is loaded by deepspeed_resume.py, with the same arguments.
     """
     if deepspeed_tag_dir(load_dir, tag) is not None:
-        return load_deepspeed(engine, load_dir, tag, load_optimizer_states,
+        return load_deepspeed(subject, load_dir, tag, load_optimizer_states,
                               load_lr_scheduler_states, load_module_only)
     tag_dir, meta = store.read_metadata(load_dir, tag)
     where = os.path.join(tag_dir, store.METADATA)
     for key in ("model", "stage"):
         if key not in meta:
             raise CheckpointError(f"{where} has no '{key}': not an engine checkpoint")
-    check_model(describe_model(engine.module), meta, where)
+    check_model(describe_model(subject.module), meta, where)
     states = load_optimizer_states and not load_module_only
-    same_world = int(meta["world_size"]) == engine.world_size
+    same_world = int(meta["world_size"]) == subject.world_size
     error: Exception | None = None
     common = None
     try:
-        wanted = engine._checkpoint_fragments("load")
+        wanted = subject.fragments("load")
         plan = plan_reads(wanted, fragment_index(meta), lambda k: k in WEIGHT_KEYS or states, where)
-        rng_file = store.shard_name(engine.global_rank) if same_world and not load_module_only else None
+        rng_file = store.shard_name(subject.rank) if same_world and not load_module_only else None
         buffer_file = meta.get("buffers_in", store.shard_name(0))
         files = sorted(set(plan) | {buffer_file} | ({rng_file} if rng_file else set()))
-        named_buffers = dict(engine.module.named_buffers())
+        named_buffers = dict(subject.module.named_buffers())
         for file in files:
             with store.open_shard(tag_dir, file, meta) as reader:
                 for col, off, count, dst in plan.get(file, ()):
@@ -488,21 +486,20 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
             raise CheckpointError(f"{os.path.join(tag_dir, store.COMMON)} is not a dict")
     except CheckpointError as exc:
         error = exc
-    store.raise_unless_loaded_everywhere(engine.comm, error, f"checkpoint {tag_dir}")
-    engine._checkpoint_restored()
+    store.raise_unless_loaded_everywhere(subject.comm, error, f"checkpoint {tag_dir}")
+    subject.restored()
     if not load_module_only:
-        _restore_common(engine, common, states, load_lr_scheduler_states, tag_dir)
+        _restore_common(subject, common, states, load_lr_scheduler_states, tag_dir)
         if rng_file:
             with store.SafetensorsReader(rng_reader_path) as reader:
-                restore_rng(reader, engine.device)
+                restore_rng(reader, subject.device)
     return tag_dir, common.get("client_state", {})
 
 
-def _restore_common(engine, common: dict, states: bool, scheduler: bool, tag_dir: str) -> None:
-    engine.global_steps = int(common["global_steps"])
-    engine.micro_steps = int(common["micro_steps"])
-    engine.skipped_steps = int(common["skipped_steps"])
-    opt = engine.optimizer
+def _restore_common(subject, common: dict, states: bool, scheduler: bool, tag_dir: str) -> None:
+    subject.set_counters(int(common["global_steps"]), int(common["micro_steps"]),
+                         int(common["skipped_steps"]))
+    opt = subject.optimizer
     if states:
         groups = common["optimizer"]["groups"]
         if len(groups) != len(opt.param_groups):
@@ -514,7 +511,7 @@ def _restore_common(engine, common: dict, states: bool, scheduler: bool, tag_dir
         counts = common["optimizer"]["step_counts"]
         if hasattr(opt, "step_counts") and len(counts) == len(opt.step_counts):
             opt.step_counts[:] = counts
-    if scheduler and common.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(common["lr_scheduler"])
-    if common.get("loss_scaler") is not None and engine.loss_scaler is not None:
-        engine.loss_scaler.load_state_dict(common["loss_scaler"])
+    if scheduler and common.get("lr_scheduler") is not None and subject.lr_scheduler is not None:
+        subject.lr_scheduler.load_state_dict(common["lr_scheduler"])
+    if common.get("loss_scaler") is not None and subject.loss_scaler is not None:
+        subject.loss_scaler.load_state_dict(common["loss_scaler"])

@@ -24,7 +24,7 @@ from zero_core.config.checks import (_as_bool, _as_float, _as_int, _as_name, _fa
 from zero_core.config.keys import (_OPTIMIZERS_NOT_YET, _SCHEDULERS_NOT_YET, MAX_ZERO_STAGE,
                                    OPTIMIZER_TYPES, SCHEDULER_TYPES)
 from zero_core.config.monitors import parse_monitors
-from zero_core.config.precision import parse_precision
+from zero_core.config.precision_sections import parse_precision
 from zero_core.config.schema import (NONFINITE_ACTIONS, ActivationCheckpointingConfig,
                                      BF16Config, CheckpointConfig, Config, GenerationConfig,
                                      HybridEngineConfig, OffloadOptimizerConfig,

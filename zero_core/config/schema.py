@@ -12,30 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zero_core.config.monitors import MonitorConfig
+from zero_core.config.precision import torch_dtype
 
 __all__ = [
     "Config", "FP16Config", "BF16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig",
     "OffloadOptimizerConfig", "OffloadParamConfig", "TopologyConfig",
     "ActivationCheckpointingConfig", "TorchAutocastConfig", "CheckpointConfig", "SafetyConfig",
-    "DTYPE_NAMES", "NONFINITE_ACTIONS",
-    "torch_dtype",
+    "NONFINITE_ACTIONS",
 ]
-
-#: DeepSpeed's dtype spellings (its DtypeEnum) -> zero-core's short name
-DTYPE_NAMES = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-}
-
-
-def torch_dtype(name: str | None):
-    """The torch dtype of a short name ("fp32", "fp16", "bf16"); None stays None."""
-    if name is None:
-        return None
-    import torch  # here, so that parsing a config never needs torch
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
-
 
 @dataclass(frozen=True)
 class FP16Config:
@@ -328,9 +312,7 @@ class Config:
     @property
     def compute_dtype(self):
         """torch.float16, torch.bfloat16 or torch.float32, following :attr:`precision`."""
-        import torch  # here, so that parsing a config never needs torch
-        dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-        return dtypes[self.precision]
+        return torch_dtype(self.precision)
 
     @property
     def comm_dtype_name(self) -> str:

@@ -36,16 +36,12 @@ import torch
 from zero_core.errors import ZeroCoreError
 
 
-def _is_stage3(engine) -> bool:
-    return hasattr(engine, "coordinator")
-
-
 def _refuse_bad_moment(engine) -> None:
     if torch._C._current_graph_task_id() != -1:
         raise ZeroCoreError("engine.generate was called inside a backward pass (from a "
                             "gradient hook or autograd.Function.backward); generate before "
                             "engine.backward(loss) or after engine.step()")
-    if _is_stage3(engine) and engine.coordinator.awaiting_backward:
+    if engine.parts.awaiting_backward():
         raise ZeroCoreError("engine.generate between a forward with autograd and its "
                             "engine.backward(loss): generation would release the parameters "
                             "that backward needs. Call engine.backward(loss) (and "
@@ -68,13 +64,6 @@ def _check_max_out_tokens(engine, args, kwargs) -> None:
                             f"max_out_tokens in the config or generate fewer tokens")
 
 
-def _streams(engine) -> bool:
-    """Will decode steps gather (the model does not fit the generation budget)? Only then
-    do they issue collectives that need the ranks in step."""
-    gen = engine.coordinator.generation
-    return gen.capacity < gen.model_numel
-
-
 def generate(engine, *args, **kwargs):
     """``engine.generate(...)``: the model's own ``generate`` without autograd, in eval mode
     (the module's mode is restored afterwards), gathering as the module docstring says."""
@@ -90,9 +79,11 @@ def generate(engine, *args, **kwargs):
         _check_max_out_tokens(engine, args, kwargs)
     args = tuple(engine._to_device(a) for a in args)
     kwargs = {k: engine._to_device(v) for k, v in kwargs.items()}
-    stage3 = _is_stage3(engine)
+    stage3 = engine.stage == 3
     whole = stage3 and he.enabled and he.pin_parameters
-    if (stage3 and not whole and _streams(engine) and engine.world_size > 1
+    # only decode steps that gather (the model does not fit the generation budget) issue
+    # collectives that need the ranks in step
+    if (not whole and engine.parts.generation_streams() and engine.world_size > 1
             and "synced_gpus" not in kwargs
             and torch.distributed.is_available() and torch.distributed.is_initialized()):
         kwargs["synced_gpus"] = True
@@ -102,13 +93,13 @@ def generate(engine, *args, **kwargs):
     try:
         with torch.no_grad(), engine._autocast():
             if whole:
-                with engine._gathered_model(keep=keep) as model:
+                with engine.parts.gathered_model(module, keep=keep) as model:
                     return model.generate(*args, **kwargs)
             return module.generate(*args, **kwargs)
     finally:
         module.train(was_training)
-        if stage3 and not keep:
-            engine.coordinator.end_generation()
+        if not keep:
+            engine.parts.end_generation()
 
 
 @contextlib.contextmanager
@@ -119,8 +110,5 @@ def gathered_for_generation(engine):
     model in memory once: with less, use ``engine.generate`` or call ``engine.module``'s
     generate directly (the generation budget applies). Stages 0-2: the model itself."""
     _refuse_bad_moment(engine)
-    if not _is_stage3(engine):
-        yield engine.module
-        return
-    with engine._gathered_model() as model:
+    with engine.parts.gathered_model(engine.module) as model:
         yield model

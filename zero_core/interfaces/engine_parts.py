@@ -1,7 +1,7 @@
 """What the engine's parts promise each other.
 
-The engines (stage0to2/engine.py, stage3/engine.py) are assembled from parts that used to
-know each other only by duck typing. These protocols say what each part offers, member
+The engine (engine/core.py) and each stage's parts (stage0to2/parts.py, stage3/parts.py)
+are assembled from parts that used to know each other only by duck typing. These protocols say what each part offers, member
 by member, so that a new buffer layout, reducer or parameter store can be written against
 them and the optimizer, the engine and the checkpoints keep working unchanged:
 
@@ -12,7 +12,10 @@ them and the optimizer, the engine and the checkpoints keep working unchanged:
 * :class:`GradReducerProtocol` — what the engine calls on its gradient reducer;
 * :class:`ParamSourceProtocol` — where stage 3's gatherer reads a fetch unit's partition
   from (device memory, or host memory / swap files under ``offload_param``), and
-  :class:`ParamStoreProtocol`, the offloaded source that also holds the partitions.
+  :class:`ParamStoreProtocol`, the offloaded source that also holds the partitions;
+* :class:`BuildContext` and :class:`CheckpointSubject` — the declared views that the parts
+  below the engine get instead of the engine object (tests/test_architecture.py checks
+  that no module below the engine takes or stores an engine).
 
 Implementations declare conformance by subclassing (tests/test_engine_parts.py checks each
 real implementation member by member): ``GroupBuffers`` (stage0to2/buffers.py),
@@ -25,6 +28,7 @@ default: a class that subclasses one must define every member itself.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -172,3 +176,57 @@ class ParamStoreProtocol(ParamSourceProtocol, Protocol):
 
     def report(self) -> dict:
         """Where the partitions are and the bytes moved (``memory_report()['offload']``)."""
+
+
+# ---- the views lower layers get instead of the engine ------------------------------------------
+@dataclass(frozen=True)
+class BuildContext:
+    """What a stage (engine/contract.py), the offload stores, the offloaded optimizer and
+    ZeRO++ need to build themselves: the engine's settings, never the engine. Built once
+    by the engine (``engine.build_context``)."""
+
+    config: Any                    # zero_core.config.Config
+    comm: Any                      # the Communicator
+    accelerator: Any               # the Accelerator
+    kernels: Any                   # the KernelSet
+    device: torch.device
+    rank: int
+    world_size: int
+    stage: int
+    compute_dtype: torch.dtype
+    master_dtype: torch.dtype      # fp32, or bf16 with bf16.bf16_master_weights_and_grads
+    state_dtype: torch.dtype       # optimizer states: fp32, or bf16 (bf16_optimizer_states)
+    memory_ledger: Any             # zero_core.memory.MemoryLedger
+    inference_only: bool           # built without an optimizer: every parameter frozen
+
+
+@dataclass(frozen=True)
+class CheckpointSubject:
+    """What a checkpoint save or load (checkpoint/save_load.py, deepspeed_resume.py) sees
+    of an engine; the engine builds one per call (``engine.checkpoint_subject()``).
+
+    ``fragments(purpose)``, ``restored()`` and ``layout()`` are the stage's (see
+    checkpoint/engine_state.py for what a fragment is); ``counters`` are the step counters
+    at the call, and ``set_counters(global_steps, micro_steps, skipped_steps)`` writes them
+    back on load."""
+
+    module: Any                    # torch.nn.Module
+    comm: Any
+    device: torch.device
+    rank: int
+    world_size: int
+    stage: int
+    engine_name: str
+    compute_dtype: torch.dtype
+    master_dtype: torch.dtype
+    state_dtype: torch.dtype
+    gradient_accumulation_steps: int
+    optimizer: Any                 # None for an inference engine
+    lr_scheduler: Any
+    loss_scaler: Any
+    rule: Any                      # optim.rules.UpdateRule, or None
+    counters: dict
+    fragments: Callable[[str], list]
+    restored: Callable[[], None]
+    layout: Callable[[], list]
+    set_counters: Callable[[int, int, int], None]

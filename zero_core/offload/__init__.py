@@ -19,11 +19,12 @@ Where things are:
   files, fetched per fetch unit (with read-ahead along the recorded order) in the
   stage-3 gather path.
 
-How the engines use it: ``ZeroEngine`` builds :class:`OffloadedOptimizer` instead of the
+How the engine uses it: ``ZeroEngine`` builds :class:`OffloadedOptimizer` instead of the
 ``PartitionedOptimizer`` when ``zero_optimization.offload_optimizer.device`` is not
-``"none"``; the stage-3 engine asks :func:`zero_core.offload.params.build_param_offload`
-for the parameter store it hands to its group buffers, its gatherer (the partition
-source) and the optimizer. Nothing here imports ``zero_core.stage3``: the engines import
-offload/, never the reverse (the contracts are in ``zero_core/interfaces/engine_parts.py``).
+``"none"``; stage 3's parts ask :func:`zero_core.offload.params.build_param_offload` for the
+parameter store they hand to their group buffers, their gatherer (the partition source)
+and, as ``StageParts.param_store``, the optimizer. Builders here get the engine's
+``BuildContext``, never the engine; nothing here imports ``zero_core.stage3`` (the
+contracts are in ``zero_core/interfaces/engine_parts.py``).
 """
 from zero_core.offload.errors import OffloadError  # noqa: F401

@@ -22,7 +22,7 @@ from zero_core.offload.subgroups import SubGroup
 class HostStateStore:
     """Flat fp32 buffers of *names* for every group of *layouts* (None: no group)."""
 
-    #: its tensors are host memory by design (zero_core.device_audit)
+    #: its tensors are host memory by design (zero_core.testing.device_audit)
     TENSOR_HOME = "host"
 
     kind = "cpu"

@@ -60,7 +60,7 @@ class NvmeStateStore:
     """States *names* of every group of *layouts* in swap files under *directory*, cut
     into *subgroups*, streamed through *buffer_count* slots (see module docstring)."""
 
-    #: its tensors are host memory by design (zero_core.device_audit)
+    #: its tensors are host memory by design (zero_core.testing.device_audit)
     TENSOR_HOME = "host"
 
     kind = "nvme"

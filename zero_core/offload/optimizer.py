@@ -23,8 +23,8 @@ Every update is element-wise and every piece starts on an alignment boundary, so
 offloaded step is bit-identical to the on-device step with the same kernels (tested).
 
 Checkpoints: ``flat_state`` and each group's ``master`` are the store's flat buffers (host
-tensors, or memory-mapped swap files), so ``engine_checkpoint.zero_fragments`` /
-``stage3_fragments`` save and load offloaded training unchanged.
+tensors, or memory-mapped swap files), so ``engine_state.bucket_fragments`` /
+``unit_fragments`` save and load offloaded training unchanged.
 """
 from __future__ import annotations
 
@@ -236,14 +236,16 @@ class OffloadedOptimizer(PartitionedOptimizer):
         self.store.close()
 
 
-def build_offloaded_optimizer(engine, hyper_groups, rule) -> OffloadedOptimizer:
-    """The engine's optimizer when ``offload_optimizer.device`` is cpu or nvme."""
-    if engine.stage not in (1, 2, 3):
+def build_offloaded_optimizer(ctx, hyper_groups, rule, buffers, zero_grad,
+                              param_store=None) -> OffloadedOptimizer:
+    """The engine's optimizer when ``offload_optimizer.device`` is cpu or nvme (*ctx*: the
+    engine's ``BuildContext``; *buffers*: the stage's group buffers; *param_store*: stage
+    3's parameter offload store, which receives the updated values)."""
+    if ctx.stage not in (1, 2, 3):
         raise ConfigError(f"zero_optimization.offload_optimizer needs stage 1, 2 or 3 "
-                          f"(got {engine.stage})")
-    zc = engine.config.zero_optimization
+                          f"(got {ctx.stage})")
+    zc = ctx.config.zero_optimization
     return OffloadedOptimizer(
-        hyper_groups, rule, engine._buffers, engine.comm, engine.memory_ledger,
-        engine.zero_grad, zc.offload_optimizer, zc.sub_group_size,
-        engine.runtime.accelerator, engine.global_rank,
-        param_sink=getattr(engine, "param_offload", None))
+        hyper_groups, rule, buffers, ctx.comm, ctx.memory_ledger,
+        zero_grad, zc.offload_optimizer, zc.sub_group_size, ctx.accelerator, ctx.rank,
+        param_sink=param_store)

@@ -26,10 +26,11 @@ step. Parameter offload needs the optimizer offloaded too (the master weights mu
 the parameter partitions), and is not combined with ZeRO++ (which gathers from ``u.part``
 itself).
 
-Which way the imports go: this module imports nothing of ``zero_core.stage3``; the stage-3
-engine (the composition root) imports it, builds the store and hands it to its group
-buffers, its gatherer and the optimizer. offload/ is storage that both engines use (the
-stage 0-2 engine imports offload/optimizer.py the same way) and stage 3 decides when to
+Which way the imports go: this module imports nothing of ``zero_core.stage3``; stage 3's
+parts (stage3/parts.py) import it, build the store from the engine's ``BuildContext`` and
+hand it to the group buffers, the gatherer and (through ``StageParts.param_store``) the
+optimizer. offload/ is storage that every stage uses (the engine builds
+offload/optimizer.py's optimizer the same way) and stage 3 decides when to
 fetch, so the arrow points from the user to the storage; a fetch unit is used here only
 through the members ParamSourceProtocol lists (``index``, ``part``, ``released``,
 ``wait_collective()``) and a group through UnitBuffersProtocol (``units``, ``layout``).
@@ -73,7 +74,7 @@ TRANSFER = "offload_param"
 class ParamOffload(ParamStoreProtocol):
     """Where stage 3's parameter partitions live when ``offload_param`` is on."""
 
-    #: the attributes that hold host memory (zero_core.device_audit); the others refer to
+    #: the attributes that hold host memory (zero_core.testing.device_audit); the others refer to
     #: the device-side fetch units
     HOST_ATTRS = ("partitions", "_cache", "_buffers", "_assembling")
 
@@ -386,9 +387,10 @@ class ParamOffload(ParamStoreProtocol):
             f.close()
 
 
-def build_param_offload(engine) -> ParamOffload | None:
-    """The stage-3 engine's parameter offload, or None when ``offload_param`` is off."""
-    zc = engine.config.zero_optimization
+def build_param_offload(ctx) -> ParamOffload | None:
+    """Stage 3's parameter offload store (*ctx*: the engine's ``BuildContext``), or None
+    when ``offload_param`` is off."""
+    zc = ctx.config.zero_optimization
     cfg = zc.offload_param
     if not cfg.enabled:
         return None
@@ -401,5 +403,5 @@ def build_param_offload(engine) -> ParamOffload | None:
         raise ConfigError(f"config key '{KEY}.device' = {cfg.device!r} cannot be combined "
                           f"with ZeRO++ (zero_quantized_weights / zero_hpz_partition_size / "
                           f"zero_quantized_gradients) yet; switch one of them off")
-    return ParamOffload(cfg, engine.compute_dtype, engine.device, engine.global_rank,
-                        engine.world_size, engine.runtime.accelerator, engine.comm.ledger)
+    return ParamOffload(cfg, ctx.compute_dtype, ctx.device, ctx.rank, ctx.world_size,
+                        ctx.accelerator, ctx.comm.ledger)

@@ -88,7 +88,7 @@ def io_totals(files) -> dict:
 @contextmanager
 def waiting(store):
     """Add the seconds the block takes to ``store.wait_s``: the training thread blocked on
-    the disk (both stores' reports; ci/bench_infinity.py's stalls)."""
+    the disk (both stores' reports; ci/bench/infinity.py's stalls)."""
     started = time.perf_counter()
     try:
         yield
@@ -108,7 +108,7 @@ class SwapFile:
         self.bytes_read = 0
         self.bytes_written = 0
         # seconds spent in the kernel's reads and writes (not the CRCs): with the bytes,
-        # the bandwidth the disk gave this file (reports, ci/bench_infinity.py)
+        # the bandwidth the disk gave this file (reports, ci/bench/infinity.py)
         self.read_s = 0.0
         self.write_s = 0.0
         self._map = None

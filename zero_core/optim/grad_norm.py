@@ -4,7 +4,7 @@ error on long sums.
 ``torch.linalg.vector_norm(t, dtype=torch.float32)`` casts the whole of a bf16/fp16 *t* to
 float32 first: a temporary twice the gradient partition's size, at every step. For a
 4 B-parameter model on 2 ranks that is 8 GB per rank on top of the 4 GB partition — the
-peak of the whole step (found by ci/bench_infinity.py). And on the CPU its float32
+peak of the whole step (found by ci/bench/infinity.py). And on the CPU its float32
 accumulation over a long tensor drifts: 4e-3 relative on 33M elements (measured). So every
 tensor is reduced in chunks of ``CHUNK`` elements — each chunk's norm in float32, squared
 and summed in float64 — which bounds the temporary to one chunk and the error to about

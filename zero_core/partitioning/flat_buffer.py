@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from zero_core.errors import ConfigError
 from zero_core.partitioning.layout import GroupLayout
 
 KINDS = ("full", "partition")
@@ -59,3 +60,14 @@ class FlatBuffer:
             raise ValueError("param() is for full buffers")
         lay = self.layout
         return self.data.narrow(0, lay.offsets[i], lay.numels[i]).view(shape)
+
+
+def check_master_handover(current: FlatBuffer | None, replacement: FlatBuffer) -> None:
+    """Refuse handing a bf16 master to the offloaded optimizer, whose store keeps fp32: the
+    bf16 master would silently become an fp32 one (the group buffers of every stage ask)."""
+    if current is not None and current.dtype != replacement.dtype:
+        raise ConfigError(
+            f"bf16.bf16_master_weights_and_grads is not available with "
+            f"zero_optimization.offload_optimizer yet: the offloaded optimizer keeps "
+            f"{replacement.dtype} master weights in its store, not {current.dtype}. Remove "
+            f"the bf16 master flags, or set offload_optimizer.device to 'none'")

@@ -14,7 +14,7 @@
   tokens FLOP per step. What the
   step-time model divides by: on the development machine it was 0.6-0.8 of the 1024^2
   matmul's rate (``flops``), which had predicted steps 1.5x too short
-  (ci/validate_plan.py);
+  (ci/bench/validate_plan.py);
 - optimizer rate (``optimizer_rate``): the same ranks' fused Adam step (cpu kernel set)
   on 4M-element flat buffers, elements per second.
 """
@@ -92,7 +92,7 @@ def rank_rates(ranks: int = 2, block: tuple = DEFAULT_BLOCK, timeout: float = 12
     """The rates measure_worker.py times on *ranks* local gloo ranks (the slowest rank's):
     bytes/s sent in all_reduce and all_gather, the training FLOP/s of a GPT *block*
     (hidden, heads, sequence, sequences) in *precision* and Adam's elements/s."""
-    from zero_core.testing import run_ranks
+    from zero_core.testing.ranks import run_ranks
     results = run_ranks(str(WORKER), max(2, ranks), "torchrun",
                         args=[*block, DTYPES[precision]],
                         env={"ZERO_CORE_COMM": "gloo"}, timeout=timeout)

@@ -4,7 +4,7 @@ on every rank at once (so that the ranks share the cores and the memory bus as i
 training), the FLOP rate of a GPT block's forward + backward and the elements per second
 of the CPU kernel set's Adam step.
 
-Run by ``measure.rank_rates`` through ``zero_core.testing.run_ranks``."""
+Run by ``measure.rank_rates`` through ``zero_core.testing.ranks.run_ranks``."""
 from __future__ import annotations
 
 import sys
@@ -16,7 +16,7 @@ from zero_core.runtime import registry
 from zero_core.runtime.context import comm_timeout
 from zero_core.runtime.launch import discover
 from zero_core.runtime.topology import resolve_ranks_per_node
-from zero_core.testing import report
+from zero_core.testing.ranks import report
 
 ELEMENTS = 2 ** 20   # 4 MB of float32
 REPS = 5
@@ -75,16 +75,17 @@ def block_train_flops(comm, hidden: int, heads: int, seq: int, batch: int,
 
 
 def adam_elements_per_s(comm, elements: int = 2 ** 22, reps: int = 6) -> float:
-    """Elements/s of the cpu kernel set's fused Adam step on flat fp32 buffers."""
-    from zero_core.accel_kernels import optim_cpu
+    """Elements/s of the cpu kernel set's fused Adam step on flat fp32 buffers (the set
+    the registry gives the engine on the cpu accelerator, as in training)."""
+    adam_step = registry.load().kernel_set("cpu").adam_step
     p, g, m, v = (torch.randn(elements) for _ in range(4))
     v.abs_()
     kw = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=True)
-    optim_cpu.adam_step(p, g, m, v, step=1, **kw)
+    adam_step(p, g, m, v, step=1, **kw)
     comm.barrier()
     start = time.perf_counter()
     for i in range(reps):
-        optim_cpu.adam_step(p, g, m, v, step=2 + i, **kw)
+        adam_step(p, g, m, v, step=2 + i, **kw)
     return elements * reps / (time.perf_counter() - start)
 
 

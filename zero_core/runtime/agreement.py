@@ -13,7 +13,7 @@ Parts compared: ``versions`` (zero-core, torch, Python), ``world`` (world size, 
 node, accelerator, communicator), ``config`` (after defaults: ``Config.to_dict``),
 ``model`` (parameter names, shapes, dtypes, requires_grad, in order) and ``optimizer``
 (a client optimizer's class and hyperparameters). Parameter *values* are checked later by
-``model_sync.check_parameters_match``, which needs agreeing shapes first.
+``engine/model_sync.check_parameters_match``, which needs agreeing shapes first.
 """
 from __future__ import annotations
 

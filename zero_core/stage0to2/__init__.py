@@ -7,8 +7,8 @@ partitions the optimizer states, stage 2 the gradients too. Mirrors ``stage3/``:
   which slice of them this rank owns at each stage;
 - grad_reduce.py — :class:`GradReducer`: backward hooks reduce each full bucket
   (all-reduce at stages 0-1, reduce-scatter at stage 2), overlapping the backward pass;
-- engine.py — :class:`ZeroEngine`: the training loop (forward, backward, step, reports,
-  checkpoints). The stage-3 engine subclasses it and overrides three construction hooks.
+- parts.py — :class:`Stage0to2Parts`: these parts as the engine's StageParts
+  (zero_core/engine/contract.py); the training step itself is zero_core/engine/core.py.
 
 The optimizer over the partitions is shared by every stage and lives in ``zero_core/optim``.
 """

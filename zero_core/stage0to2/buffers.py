@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import torch
 
+from zero_core.config.precision import dtype_name, master_dtype_for
 from zero_core.errors import ConfigError
 from zero_core.interfaces.engine_parts import BucketBuffersProtocol
-from zero_core.partitioning.flat_buffer import FlatBuffer
+from zero_core.partitioning.flat_buffer import FlatBuffer, check_master_handover
 from zero_core.memory import MemoryLedger
 from zero_core.partitioning.layout import alignment_for, plan_group_layout
 
@@ -157,9 +158,6 @@ class GroupBuffers(BucketBuffersProtocol):
                 p.grad = view
 
 
-_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
 def _grad_dtype(stage: int, compute_dtype: torch.dtype,
                 grad_dtype: torch.dtype | None) -> torch.dtype:
     """The gradient accumulator's dtype (None: the compute dtype). Stage 0 keeps gradients
@@ -168,7 +166,7 @@ def _grad_dtype(stage: int, compute_dtype: torch.dtype,
     if grad_dtype is None or grad_dtype == compute_dtype:
         return compute_dtype
     if stage == 0:
-        c, a = _NAMES.get(compute_dtype, compute_dtype), _NAMES.get(grad_dtype, grad_dtype)
+        c, a = dtype_name(compute_dtype), dtype_name(grad_dtype)
         raise ConfigError(
             f"data_types.grad_accum_dtype = \"{a}\" with {c} training is not supported at "
             f"ZeRO stage 0: there gradients accumulate only in .grad, which must have the "
@@ -176,32 +174,3 @@ def _grad_dtype(stage: int, compute_dtype: torch.dtype,
             f"zero_optimization.stage 1, 2 or 3 for {a} gradient accumulation, or remove "
             f"data_types.grad_accum_dtype")
     return grad_dtype
-
-
-def master_dtype_for(stage: int, compute_dtype: torch.dtype,
-                     master_dtype: torch.dtype) -> torch.dtype:
-    """*master_dtype* checked: fp32, or bf16 (``bf16.bf16_master_weights_and_grads``) under
-    bf16 training at stages 1-3, as DeepSpeed allows it (stage-3 buffers use this too)."""
-    if master_dtype == torch.float32:
-        return master_dtype
-    if master_dtype != torch.bfloat16 or compute_dtype != torch.bfloat16:
-        raise ConfigError(f"master weights in {master_dtype} with {compute_dtype} training: the "
-                          f"master is fp32, or bf16 with bf16.enabled and "
-                          f"bf16.bf16_master_weights_and_grads")
-    if stage == 0:
-        raise ConfigError("bf16.bf16_master_weights_and_grads needs zero_optimization.stage 1, 2 "
-                          "or 3 (DeepSpeed refuses stage 0 too): at stage 0 every rank holds the "
-                          "whole bf16 parameters already, so a bf16 master would only duplicate "
-                          "them. Set zero_optimization.stage to 1 or more, or remove the flag")
-    return master_dtype
-
-
-def check_master_handover(current: FlatBuffer | None, replacement: FlatBuffer) -> None:
-    """Refuse handing a bf16 master to the offloaded optimizer, whose store keeps fp32: the
-    bf16 master would silently become an fp32 one (stage-3 buffers use this too)."""
-    if current is not None and current.dtype != replacement.dtype:
-        raise ConfigError(
-            f"bf16.bf16_master_weights_and_grads is not available with "
-            f"zero_optimization.offload_optimizer yet: the offloaded optimizer keeps "
-            f"{replacement.dtype} master weights in its store, not {current.dtype}. Remove "
-            f"the bf16 master flags, or set offload_optimizer.device to 'none'")

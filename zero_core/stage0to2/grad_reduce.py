@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from zero_core.errors import ConfigError
+from zero_core.config.precision import comm_dtype_for
 from zero_core.partitioning.buffer_pool import BufferPool
 from zero_core.interfaces.communicator import Communicator
 from zero_core.interfaces.engine_parts import BucketBuffersProtocol, GradReducerProtocol
@@ -285,22 +285,3 @@ class GradReducer(GradReducerProtocol):
     def communication_buffers(self) -> int:
         """Pooled buffers allocated so far (count)."""
         return self._out_pool.allocated + self._grad_pool.allocated
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The config's name of a gradient dtype ("fp32", "bf16", "fp16")."""
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
-        dtype, str(dtype))
-
-
-def comm_dtype_for(comm: Communicator, dtype: torch.dtype, op: str) -> torch.dtype:
-    """*dtype* if *comm* can carry it for *op*; otherwise a ConfigError naming
-    ``communication_data_type`` (shared with the stage-3 reducer)."""
-    if not comm.supports(op, dtype):
-        name = dtype_name(dtype)
-        raise ConfigError(
-            f"gradients are reduced in {name} (communication_data_type, default: the compute "
-            f"dtype), but the {comm.name} communicator cannot carry {name} for {op}; set "
-            f"communication_data_type to a dtype it carries (e.g. \"fp32\") or pick another "
-            f"comm_backend")
-    return dtype

@@ -11,7 +11,8 @@ Where things are:
 - module_hooks.py — forward/backward hooks, register_external_parameter;
 - grad_reduce.py — reduce-scatter of unit gradients into the partitions;
 - init_context.py — zero_core.Init and zero_core.GatheredParameters;
-- state_dict.py — consolidated state dict; engine.py — Stage3Engine.
+- state_dict.py — consolidated state dict; parts.py — Stage3Parts, all of the above as the
+  engine's StageParts (zero_core/engine/contract.py).
 """
 from zero_core.stage3.init_context import GatheredParameters, Init  # noqa: F401
 from zero_core.stage3.module_hooks import register_external_parameter, unregister_external_parameter  # noqa: F401

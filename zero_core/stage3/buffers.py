@@ -29,10 +29,10 @@ from typing import Callable
 import torch
 
 from zero_core.interfaces.engine_parts import ParamStoreProtocol, UnitBuffersProtocol
-from zero_core.partitioning.flat_buffer import FlatBuffer
+from zero_core.config.precision import master_dtype_for
+from zero_core.partitioning.flat_buffer import FlatBuffer, check_master_handover
 from zero_core.memory import MemoryLedger
 from zero_core.partitioning.layout import alignment_for
-from zero_core.stage0to2.buffers import check_master_handover, master_dtype_for
 from zero_core.stage3.units import FetchUnit, unit_layout
 
 

@@ -137,7 +137,7 @@ class ParamCoordinator:
         requests in between were started then and are still gathered, unless released
         since (the gatherer lists those; then the scan restarts at pos). Scanning from pos
         every time cost LOOKAHEAD checks per module call, a quarter of stage 3's host
-        overhead on small modules (ci/gpu_check.py --profile)."""
+        overhead on small modules (ci/gpu/check.py --profile)."""
         t, g = self.trace, self.gatherer
         pos = t.pos
         scan = max(self._scan_pos, pos)

@@ -36,11 +36,11 @@ from collections import deque
 
 import torch
 
+from zero_core.config.precision import comm_dtype_for, dtype_name
 from zero_core.errors import ConfigError
 from zero_core.partitioning.buffer_pool import BufferPool
 from zero_core.interfaces.communicator import Communicator
 from zero_core.interfaces.engine_parts import GradReducerProtocol
-from zero_core.stage0to2.grad_reduce import comm_dtype_for, dtype_name
 from zero_core.stage3 import partitioned_params as pp
 from zero_core.stage3.coordinator import ParamCoordinator
 from zero_core.stage3.units import FetchUnit

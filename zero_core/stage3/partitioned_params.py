@@ -22,7 +22,7 @@ gives an available one back its own class (``ParamMeta.cls``, normally ``nn.Para
 and :func:`release` swaps ``PartitionedParameter`` in again. So functions on available
 parameters never enter Python's ``__torch_function__`` at all: on the GPU the check cost
 ~10 us per call, 1,200 calls per step of the GPU kit's 12-layer GPT, and made stage 3
-host-bound (ci/gpu_check.py --profile, 2026-11-27). Whether a parameter is partitioned
+host-bound (ci/gpu/check.py --profile, 2026-11-27). Whether a parameter is partitioned
 is the ``_zc`` entry in its ``__dict__`` (:func:`is_partitioned`), not its class.
 
 Who answers a read of a released parameter is the parameter's *owner*

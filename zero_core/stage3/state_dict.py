@@ -1,4 +1,4 @@
-"""A consolidated (full) state dict from a stage-3 engine, one fetch unit at a time.
+"""A consolidated (full) state dict of a stage-3 model, one fetch unit at a time.
 
 Keys and order follow ``nn.Module.state_dict()`` (parameters then persistent buffers of
 each module, recursively; a tied parameter under each of its names, one tensor). Values
@@ -13,13 +13,14 @@ from collections import OrderedDict
 import torch
 
 
-def consolidated_state_dict(engine, rank0_only: bool = False, exclude_frozen: bool = False) -> dict:
-    """Full state dict of *engine*.module (see module docstring); ``{}`` on ranks other
-    than 0 with *rank0_only*. Collective: every rank must call it."""
-    keep = not rank0_only or engine.global_rank == 0
-    gatherer = engine.gatherer
+def consolidated_state_dict(module, units, gatherer, rank: int, rank0_only: bool = False,
+                            exclude_frozen: bool = False) -> dict:
+    """Full state dict of *module*, partitioned in fetch *units* that *gatherer* gathers
+    (see module docstring); ``{}`` on ranks other than 0 with *rank0_only*. Collective:
+    every rank must call it."""
+    keep = not rank0_only or rank == 0
     values: dict[int, torch.Tensor] = {}
-    for u in engine.units:
+    for u in units:
         if exclude_frozen and not u.trainable:
             continue
         was_released = u.released
@@ -45,5 +46,5 @@ def consolidated_state_dict(engine, rank0_only: bool = False, exclude_frozen: bo
             if child is not None:
                 walk(child, prefix + name + ".")
 
-    walk(engine.module, "")
+    walk(module, "")
     return out

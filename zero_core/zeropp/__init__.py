@@ -18,10 +18,11 @@ node), ``zero_quantized_gradients``.
 from __future__ import annotations
 
 
-def build_zeropp(engine, units):
-    """The ZeRO++ strategies for a stage-3 *engine* and its fetch *units*, or None when no
+def build_zeropp(ctx, units, param_store=None):
+    """The ZeRO++ strategies for stage 3's fetch *units* (*ctx*: the engine's
+    ``BuildContext``; *param_store*: the parameter offload store, if any), or None when no
     ZeRO++ key is switched on. Collective (hpZ and qgZ create groups)."""
-    if not engine.config.zero_optimization.zeropp_enabled:
+    if not ctx.config.zero_optimization.zeropp_enabled:
         return None
     from zero_core.zeropp.strategies import ZeroPlusPlus
-    return ZeroPlusPlus(engine, units)
+    return ZeroPlusPlus(ctx, units, param_store)

@@ -15,7 +15,7 @@ dtype); *output* must receive the sum over all ranks of chunk ``rank``. With N =
    goes to node k';
 5. the K node sums received are dequantized and added in float32 (node order) and
    written to *output* in the compute dtype. The loss was already scaled by 1/N before
-   backward (stage0to2/engine.py), so this sum is the average gradient.
+   backward (engine/core.py), so this sum is the average gradient.
 
 Only hop 2 crosses nodes: (K-1) slots of S/2 bytes + scales per rank, against (N-1)/N·2S·N
 bytes of a bf16 reduce-scatter on the world group (ledger convention).

@@ -1,6 +1,6 @@
-"""ZeroPlusPlus: qwZ, hpZ and qgZ assembled for one stage-3 engine.
+"""ZeroPlusPlus: qwZ, hpZ and qgZ assembled for one stage-3 model.
 
-The stage-3 engine (zero_core/stage3/engine.py) builds this object once its fetch units
+Stage 3's parts (zero_core/stage3/parts.py) build this object once the fetch units
 exist, hands ``fetch`` to its UnitGatherer and ``reduce_unit`` to its gradient reducer,
 calls ``partitions_changed()`` after every optimizer step and checkpoint restore, and
 adds ``memory_report()`` to its own under ``"zeropp"``. Quantization kernels come from the
@@ -36,10 +36,10 @@ def quantization_kernels(kernel_set) -> dict:
 class ZeroPlusPlus:
     """The ZeRO++ strategies of one engine (see module docstring)."""
 
-    def __init__(self, engine, units):
-        zc = engine.config.zero_optimization
-        comm = engine.comm
-        if getattr(engine, "param_offload", None) is not None:
+    def __init__(self, ctx, units, param_store=None):
+        zc = ctx.config.zero_optimization
+        comm = ctx.comm
+        if param_store is not None:
             # the gather strategies read u.part in device memory; offloaded partitions are
             # fetched by the plain gather path only (zero_core/offload/params.py)
             raise ConfigError("ZeRO++ (zero_quantized_weights / zero_hpz_partition_size / "
@@ -47,16 +47,16 @@ class ZeroPlusPlus:
                               "zero_optimization.offload_param is not supported yet; switch "
                               "one of them off")
         self.comm = comm
-        self.elem_bytes = engine.compute_dtype.itemsize
+        self.elem_bytes = ctx.compute_dtype.itemsize
         qw = zc.zero_quantized_weights or zc.zero_quantized_nontrainable_weights
-        kernels = (quantization_kernels(engine.runtime.kernels)
+        kernels = (quantization_kernels(ctx.kernels)
                    if qw or zc.zero_quantized_gradients else None)
         self.qwz = QuantizedGather(comm, kernels) if qw else None
         self.hpz = None
         if zc.zero_hpz_partition_size > 1:
             group = hpz_group(comm, zc.zero_hpz_partition_size)
-            self.hpz = SecondaryPartitions(comm, group, units, engine.compute_dtype,
-                                           engine.device)
+            self.hpz = SecondaryPartitions(comm, group, units, ctx.compute_dtype,
+                                           ctx.device)
         self.fetch = (UnitFetch(comm, self.qwz, not zc.zero_quantized_weights, self.hpz)
                       if self.qwz is not None or self.hpz is not None else None)
         self.qgz = (TwoHopGradientReduce(comm, kernels) if zc.zero_quantized_gradients

@@ -54,7 +54,7 @@ def _unwrap(engine):
     """``(model, comm or None, rank, gatherer or None)`` for an engine or a bare model."""
     module = getattr(engine, "module", None)
     if isinstance(module, torch.nn.Module) and hasattr(engine, "comm"):
-        return module, engine.comm, engine.comm.rank, getattr(engine, "gatherer", None)
+        return module, engine.comm, engine.comm.rank, getattr(engine.parts, "gatherer", None)
     # a bare model: plain, built under Init, or an engine's module (partitioned parameters)
     if isinstance(engine, torch.nn.Module):
         if any(pp.is_partitioned(p) for p in engine.parameters()):

@@ -134,15 +134,15 @@ class EngineScheduler:
 
 def retire_engine(engine, model) -> None:
     """Before a second ``train()`` builds its engine: the earlier *engine* lets go of
-    *model*. At stage 3 it holds the model's only values (its partitions), so it hands the
-    model back partitioned as ``zero_core.Init`` leaves it, from its fp32 master
-    (``Stage3Engine.hand_back_model``), and the new engine adopts those partitions; below
-    stage 3 the parameters hold the values and only the engine's hooks are removed. The
+    *model* (``engine.hand_back_model``). At stage 3 it holds the model's only values (its
+    partitions), so it hands the model back partitioned as ``zero_core.Init`` leaves it,
+    from its fp32 master, and the new engine adopts those partitions; below stage 3 the
+    parameters hold the values and only the engine's hooks are removed. The
     new engine then gets a new optimizer and scheduler, as transformers' DeepSpeed
     integration does (``deepspeed_init`` drops ``trainer.optimizer``)."""
     if engine is None:
         return
-    if engine.stage == 3 and engine.module is model:
+    if engine.module is model:
         engine.hand_back_model()
     else:
         engine.destroy()   # another model (model_init=): the old one is dropped

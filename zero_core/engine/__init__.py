@@ -1,0 +1,14 @@
+"""The engine room: the training step every ZeRO stage shares.
+
+- core.py — :class:`ZeroEngine`: forward, backward (loss scaling), the optimizer step (global
+  norm, clipping, the non-finite skip, the loss scaler, the LR schedule), reports,
+  checkpoint entry points, generation, handing the model back;
+- contract.py — :class:`StageParts`: what a stage contributes (stage0to2/parts.py,
+  stage3/parts.py) and the points where the engine calls it;
+- step_stats.py — the step's one all-reduce (norm, overflow, equal batches) and the
+  collectives that name what went wrong;
+- model_sync.py — every rank starts from the same model (the stages' ``prepare_model``).
+
+The stages sit above this folder and import it; nothing here imports a stage. Only
+``zero_core/factory.py`` knows which stage's parts an engine gets.
+"""
