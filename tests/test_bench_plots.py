@@ -33,7 +33,7 @@ def _plots():
 @pytest.mark.parametrize("name", NAMES)
 def test_every_benchmark_writes_json_and_a_chart(name):
     text = open(os.path.join(BENCH, f"{name}.py")).read()
-    for call in (f'plots.add_arguments(', f'plots.finish(', f'plots.replot('):
+    for call in (f'plots.add_arguments(', f'plots.start(', f'plots.finish('):
         assert call in text, (name, call)
     assert f'"{name}"' in text
 

@@ -159,9 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", default="zc")
     plots.add_arguments(p, "cluster")
     a = p.parse_args(argv)
-    if a.replot:
-        return plots.replot(a, "cluster")
-    meta = plots.start("cluster", __file__, sys.argv[1:] if argv is None else argv)
+    meta = plots.start(a, "cluster", __file__, sys.argv[1:] if argv is None else argv)
 
     rates = [r.strip() for r in a.rates.split(",") if r.strip()]
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]

@@ -246,9 +246,7 @@ def main(argv=None) -> int:
     plots.add_arguments(p, "comm")
     args = p.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if args.replot:
-        return plots.replot(args, "comm")
-    meta = None if args.report else plots.start("comm", __file__, argv)
+    meta = None if args.report else plots.start(args, "comm", __file__, argv)
 
     if args.launch:
         from zero_core.testing.ranks import run_ranks

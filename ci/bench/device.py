@@ -85,9 +85,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=6)
     plots.add_arguments(p, "device")
     args = p.parse_args(argv)
-    if args.replot:
-        return plots.replot(args, "device")
-    meta = plots.start("device", __file__, sys.argv[1:] if argv is None else argv)
+    meta = plots.start(args, "device", __file__, sys.argv[1:] if argv is None else argv)
     launchers = {"gloo": "torchrun", "mpi": "mpirun"}
     results = []
     print(f"load before: {os.getloadavg()[0]:.2f}", flush=True)

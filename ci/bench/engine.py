@@ -334,9 +334,7 @@ def main(argv=None) -> int:
     if args.setup_bench_venv:
         print(setup_bench_venv())
         return 0
-    if args.replot:
-        return plots.replot(args, "engine")
-    meta = plots.start("engine", __file__, argv)
+    meta = plots.start(args, "engine", __file__, argv)
     if args.quick:
         args.warmup, args.steps, args.rounds = 1, 3, 1
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:

@@ -488,9 +488,7 @@ def main(argv=None) -> int:
     p, a = parse(argv)
     if a.setup_bench_venv:
         return setup_venv()
-    if a.replot:
-        return plots.replot(a, "generation")
-    meta = plots.start("generation", __file__, argv)
+    meta = plots.start(a, "generation", __file__, argv)
     pats = [x.strip() for x in a.only.split(",") if x.strip()]
     variants = [v for v, _ in ROWS if any(fnmatch.fnmatch(v, pat) for pat in pats)]
     if not a.cluster and not variants:

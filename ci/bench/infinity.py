@@ -204,10 +204,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=3600)
     plots.add_arguments(ap, "infinity")
     args = ap.parse_args(argv)
-    if args.replot:
-        return plots.replot(args, "infinity")
     argv = sys.argv[1:] if argv is None else argv
-    meta = plots.start("infinity", __file__, argv)
+    meta = plots.start(args, "infinity", __file__, argv)
 
     os.makedirs(args.nvme_dir, exist_ok=True)
     free = shutil.disk_usage(args.nvme_dir).free

@@ -290,9 +290,7 @@ def main(argv=None) -> int:
                     help="only the copy yardstick and the quantization kernels")
     plots.add_arguments(ap, "kernels")
     args = ap.parse_args(argv)
-    if args.replot:
-        return plots.replot(args, "kernels")
-    meta = plots.start("kernels", __file__, sys.argv[1:] if argv is None else argv)
+    meta = plots.start(args, "kernels", __file__, sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.numel = args.quant_numel = 1_000_000
         args.reps = 3

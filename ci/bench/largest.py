@@ -464,9 +464,7 @@ def main(argv=None) -> int:
     p.add_argument("--wait-max-min", type=float, default=60)
     plots.add_arguments(p, "largest")
     a = p.parse_args(argv)
-    if a.replot:
-        return plots.replot(a, "largest")
-    meta = plots.start("largest", __file__, argv)
+    meta = plots.start(a, "largest", __file__, argv)
     if a.budget_gib is None:
         a.budget_gib = 4.0 if a.quick else 12.0
     if a.steps < 1 or not 1 <= a.seq <= 128 or a.micro < 1 or a.budget_gib <= 0:

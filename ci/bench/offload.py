@@ -155,9 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1500)
     plots.add_arguments(ap, "offload")
     args = ap.parse_args(argv)
-    if args.replot:
-        return plots.replot(args, "offload")
-    meta = plots.start("offload", __file__, sys.argv[1:] if argv is None else argv)
+    meta = plots.start(args, "offload", __file__, sys.argv[1:] if argv is None else argv)
     os.makedirs(args.nvme_dir, exist_ok=True)
     free = shutil.disk_usage(args.nvme_dir).free
     print(f"# offload bench: {args.ranks} ranks, budget {args.budget_gb} GiB, disk free at "

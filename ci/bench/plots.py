@@ -90,8 +90,11 @@ def tree() -> str:
     return (head or "unknown") + (" + uncommitted changes" if dirty else "")
 
 
-def start(name: str, script: str, argv: list, launcher: str = "") -> dict:
-    """The run's ``meta`` as it starts: the command as typed, the date, uptime before."""
+def start(args, name: str, script: str, argv: list, launcher: str = "") -> dict:
+    """The run's ``meta`` as it starts: the command as typed, the date, uptime before.
+    With ``--replot`` nothing runs: the chart is redrawn and the process exits here."""
+    if args.replot:
+        raise SystemExit(replot(args, name))
     rel = os.path.relpath(os.path.abspath(script), REPO)
     command = " ".join([*([launcher] if launcher else []), "python", rel,
                         *(shlex.quote(str(a)) for a in argv)])

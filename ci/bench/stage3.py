@@ -186,9 +186,7 @@ def main(argv=None) -> int:
                    help="give up waiting after this many minutes and run anyway")
     plots.add_arguments(p, "stage3")
     args = p.parse_args(argv)
-    if args.replot:
-        return plots.replot(args, "stage3")
-    meta = plots.start("stage3", __file__, argv)
+    meta = plots.start(args, "stage3", __file__, argv)
     if args.quick:
         args.model, args.warmup, args.steps, args.rounds = "tiny", 1, 3, 1
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
