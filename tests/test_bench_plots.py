@@ -74,8 +74,9 @@ def test_without_matplotlib_the_plot_is_skipped_with_one_line(tmp_path):
     """The JSON is still written; the chart is not, and one line says why."""
     code = ("import sys, types; sys.modules['matplotlib'] = None; "
             f"sys.path.insert(0, {BENCH!r}); import plots; "
-            "ns = types.SimpleNamespace(json=sys.argv[1], plot=None); "
-            "plots.finish(ns, 'device', {'results': []}, plots.start('device', 'ci/bench/device.py', []))")
+            "ns = types.SimpleNamespace(json=sys.argv[1], plot=None, replot=None); "
+            "plots.finish(ns, 'device', {'results': []}, "
+            "plots.start(ns, 'device', 'ci/bench/device.py', []))")
     out = tmp_path / "device.json"
     proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
