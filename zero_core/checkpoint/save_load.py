@@ -332,7 +332,8 @@ def save_files(comm, save_dir: str, tag: str, write_files: Callable[[str], dict]
 def save_checkpoint(subject, save_dir: str, tag=None, client_state=None,
                     save_latest: bool = True) -> str:
     """Collective: save the engine that *subject* (a ``CheckpointSubject``) shows as
-    checkpoint *tag* (default ``global_step<N>``) in *save_dir*; returns the checkpoint's directory. See the module docstring.
+    checkpoint *tag* (default ``global_step<N>``) in *save_dir*; returns the checkpoint's
+    directory. See the module docstring.
 
     *client_state* (plain data: dict, list, str, numbers, tensors) is rank 0's, as in
     DeepSpeed; :func:`load_checkpoint` returns it on every rank. Per-rank streams belong

@@ -104,6 +104,10 @@ class ZeroEngine(torch.nn.Module):
         self.inference_only = optimizer is None and config.optimizer is None
         groups = ([] if self.inference_only
                   else collect_param_groups(model, model_parameters, optimizer))
+        if not self.inference_only and not any(p.requires_grad for g in groups
+                                                for p in g["params"]):
+            raise ConfigError("no trainable parameters: every parameter passed has "
+                              "requires_grad=False (or model_parameters is empty)")
 
         self.build_context = BuildContext(
             config=config, comm=self.comm, accelerator=runtime.accelerator,
@@ -456,10 +460,11 @@ class ZeroEngine(torch.nn.Module):
     def destroy(self) -> None:
         """Remove the engine's hooks (the model keeps its current values; at stage 3 the
         parameters stay partitioned: gather them with GatheredParameters); close monitors."""
-        self._remove_gradient_hooks()
+        self._close()
         self.parts.destroy()
 
-    def _remove_gradient_hooks(self) -> None:
+    def _close(self) -> None:
+        """Remove the gradient hooks and close the monitors (what the engine itself owns)."""
         if self.reducer is not None:
             self.reducer.remove_hooks()
         self.monitor.close()
@@ -471,7 +476,7 @@ class ZeroEngine(torch.nn.Module):
         master where there is one (Stage3Parts.hand_back_model). Collective: every rank
         calls it. Do not use the engine afterwards."""
         module = self.parts.hand_back_model(self.module)
-        self._remove_gradient_hooks()
+        self._close()
         return module
 
     # ---- the model, whole ---------------------------------------------------------------------

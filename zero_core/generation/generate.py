@@ -79,8 +79,8 @@ def generate(engine, *args, **kwargs):
         _check_max_out_tokens(engine, args, kwargs)
     args = tuple(engine._to_device(a) for a in args)
     kwargs = {k: engine._to_device(v) for k, v in kwargs.items()}
-    stage3 = engine.stage == 3
-    whole = stage3 and he.enabled and he.pin_parameters
+    # stages 0-2 hold the whole model: their gathered_model is the model itself
+    whole = he.enabled and he.pin_parameters
     # only decode steps that gather (the model does not fit the generation budget) issue
     # collectives that need the ranks in step
     if (not whole and engine.parts.generation_streams() and engine.world_size > 1

@@ -1,9 +1,10 @@
 """What the engine's parts promise each other.
 
 The engine (engine/core.py) and each stage's parts (stage0to2/parts.py, stage3/parts.py)
-are assembled from parts that used to know each other only by duck typing. These protocols say what each part offers, member
-by member, so that a new buffer layout, reducer or parameter store can be written against
-them and the optimizer, the engine and the checkpoints keep working unchanged:
+are assembled from parts that used to know each other only by duck typing. These
+protocols say what each part offers, member by member, so that a new buffer layout,
+reducer or parameter store can be written against them and the optimizer, the engine and
+the checkpoints keep working unchanged:
 
 * :class:`GroupBuffersProtocol` — one parameter group's flat buffers, as the optimizers
   (optim/partitioned.py, offload/optimizer.py), the engine and the checkpoint fragments

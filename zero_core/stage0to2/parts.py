@@ -16,7 +16,6 @@ from zero_core.checkpoint.engine_state import (bucket_fragments, group_layouts,
                                                restore_bucket_params)
 from zero_core.config.precision import torch_dtype
 from zero_core.engine.contract import StageParts
-from zero_core.errors import ConfigError
 from zero_core.engine.model_sync import broadcast_buffers, check_parameters_match
 from zero_core.placement import move_module
 from zero_core.stage0to2.buffers import GroupBuffers
@@ -45,9 +44,6 @@ class Stage0to2Parts(StageParts):
             ps.sort(key=lambda p: -self._registration[id(p)])
             per_group.append(ps)
             trainable_ids.update(id(p) for p in ps)
-        if not trainable_ids and not ctx.inference_only:
-            raise ConfigError("no trainable parameters: every parameter passed has "
-                              "requires_grad=False (or model_parameters is empty)")
         values = [[p.detach().float() for p in ps] for ps in per_group]
         if ctx.compute_dtype != torch.float32:
             # frozen parameters and floating buffers compute in the low precision too

@@ -25,7 +25,7 @@ import torch
 from zero_core.checkpoint.engine_state import group_layouts, restore_unit_params, unit_fragments
 from zero_core.config.precision import torch_dtype
 from zero_core.engine.contract import StageParts
-from zero_core.errors import ConfigError, ZeroCoreError
+from zero_core.errors import ZeroCoreError
 from zero_core.engine.model_sync import broadcast_buffers, check_parameters_match
 from zero_core.placement import move_module, move_parameter
 from zero_core.stage3 import partitioned_params as pp
@@ -80,9 +80,6 @@ class Stage3Parts(StageParts):
             for p in group["params"]:
                 if p.requires_grad:
                     group_of[id(p)] = g
-        if all(g == FROZEN for g in group_of.values()) and not self.ctx.inference_only:
-            raise ConfigError("no trainable parameters: every parameter passed has "
-                              "requires_grad=False (or model_parameters is empty)")
         zc = self.ctx.config.zero_optimization
         target = coalesce_numel(zc.stage3_prefetch_bucket_size, zc.reduce_bucket_size)
         return plan_units(model, group_of, zc.stage3_param_persistence_threshold, target)
