@@ -127,6 +127,15 @@ zero_optimization.zero_hpz_partition_size                         1             
                                                                                 1 = off; divides the world size; stage 3
 zero_optimization.zero_quantized_gradients                        false         bool; ZeRO++ qgZ: two-hop int4 gradient
                                                                                 all-to-all (stage 3 only)
+zero_optimization.mics_shard_size                                 -1            MiCS: ranks one copy of the model states is
+                                                                                spread over (normally the ranks per node),
+                                                                                replicated across groups; -1 = off;
+                                                                                divides the world size; stages 1-3
+zero_optimization.mics_hierarchical_params_gather                 false         bool; MiCS shard groups spanning nodes
+                                                                                gather node-aware (below)
+zero_optimization.node_aware_collectives                          true          bool; on several nodes, partition
+                                                                                all-gathers cross nodes once then fan out
+                                                                                in the node (reduce-scatters in reverse)
 zero_optimization.sub_group_size                                  1e9           elements the offloaded optimizer steps at
                                                                                 once (NVMe: one swap unit), >= 0
                                                                                 (0: the smallest sub-groups)
@@ -266,7 +275,9 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
                           "stage3_gather_fp16_weights_on_model_save",
                           "offload_optimizer", "offload_param", "sub_group_size",
                           "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-                          "zero_hpz_partition_size", "zero_quantized_gradients"),
+                          "zero_hpz_partition_size", "zero_quantized_gradients",
+                          "mics_shard_size", "mics_hierarchical_params_gather",
+                          "node_aware_collectives"),
     "zero_optimization.offload_optimizer": ("device", "nvme_path", "pin_memory", "buffer_count",
                                             "fast_init", "ratio", "pipeline_read",
                                             "pipeline_write"),
@@ -390,8 +401,6 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
         "cpu_offload_param": "parameter offload (use offload_param)",
         "cpu_offload_use_pin_memory": "pinned offload buffers (use offload_*.pin_memory)",
         "zeropp_loco_param": "ZeRO++ LoCo error feedback",
-        "mics_shard_size": "MiCS sharding",
-        "mics_hierarchical_params_gather": "MiCS hierarchical gather",
         "elastic_checkpoint": "elastic checkpoints",
         "load_from_fp32_weights": "loading the master weights from the 16-bit weights",
         "allgather_partitions": "broadcast instead of all-gather for updated parameters",
@@ -445,8 +454,6 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "zero_optimization.parameter_alignment": False,
     "zero_optimization.use_all_reduce_for_fetch_params": False,
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": False,
-    "zero_optimization.mics_shard_size": -1,
-    "zero_optimization.mics_hierarchical_params_gather": False,
     "zero_optimization.zeropp_loco_param": None,
     "zero_optimization.zenflow": None,
     "zero_optimization.offload_optimizer.super_offload": False,

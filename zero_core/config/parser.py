@@ -25,6 +25,7 @@ from zero_core.config.keys import (_OPTIMIZERS_NOT_YET, _SCHEDULERS_NOT_YET, MAX
                                    OPTIMIZER_TYPES, SCHEDULER_TYPES)
 from zero_core.config.monitors import parse_monitors
 from zero_core.config.precision_sections import parse_precision
+from zero_core.config.zero_sections import parse_many_nodes, parse_zeropp
 from zero_core.config.schema import (NONFINITE_ACTIONS, ActivationCheckpointingConfig,
                                      BF16Config, CheckpointConfig, Config, GenerationConfig,
                                      HybridEngineConfig, OffloadOptimizerConfig,
@@ -177,40 +178,6 @@ def _parse_scheduler(raw: Any) -> SchedulerConfig | None:
     return SchedulerConfig(type=kind, params=params)
 
 
-_ZEROPP_NAMES = {
-    "zero_quantized_weights": "qwZ (quantized weight all-gathers)",
-    "zero_quantized_nontrainable_weights": "qwZ for frozen weights",
-    "zero_hpz_partition_size": "hpZ (secondary partitions inside the node)",
-    "zero_quantized_gradients": "qgZ (quantized gradient all-to-all)",
-}
-
-
-def _parse_zeropp(s: "_Section", stage: int, world_size: int) -> dict:
-    """The ZeRO++ keys; switched on below stage 3 they are an error (ZeRO++ changes how
-    stage 3 gathers its partitioned parameters, which stages 0-2 do not have)."""
-    values = {
-        "zero_quantized_weights": s.get("zero_quantized_weights", False, _as_bool),
-        "zero_quantized_nontrainable_weights": s.get("zero_quantized_nontrainable_weights",
-                                                     False, _as_bool),
-        "zero_hpz_partition_size": s.get("zero_hpz_partition_size", 1, _as_int, 1),
-        "zero_quantized_gradients": s.get("zero_quantized_gradients", False, _as_bool),
-    }
-    off = {"zero_hpz_partition_size": 1}
-    for key, value in values.items():
-        if stage < 3 and value != off.get(key, False):
-            raise _fail(f"zero_optimization.{key}", value,
-                        f"ZeRO++ {_ZEROPP_NAMES[key]} works on stage 3's partitioned parameters; "
-                        f"set zero_optimization.stage to 3 to use it — at stage {stage} only "
-                        f"{str(off.get(key, False)).lower()} (the feature off) is accepted")
-    hpz = values["zero_hpz_partition_size"]
-    if world_size % hpz:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise _fail("zero_optimization.zero_hpz_partition_size", hpz,
-                    f"must divide the world size {world_size} (valid: "
-                    f"{', '.join(map(str, divisors))}; normally the ranks per node)")
-    return values
-
-
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
@@ -287,6 +254,17 @@ def _parse_zero(raw: Any, world_size: int = 1) -> ZeroConfig:
                         f"also given as zero_optimization.{given[0]}; keep one spelling")
         return s.get(given[0], default, conv, *bounds) if given else default
 
+    zeropp = parse_zeropp(s, stage, world_size)
+    many_nodes = parse_many_nodes(s, stage, world_size, zeropp)
+    offload = _parse_offload(s, stage)
+    if many_nodes["mics_shard_size"] > 0:
+        for key in ("offload_optimizer", "offload_param"):
+            if offload[key].device != "none":
+                raise _fail("zero_optimization.mics_shard_size", many_nodes["mics_shard_size"],
+                            f"MiCS together with zero_optimization.{key} is not implemented "
+                            f"yet (the offload stores name their swap files and host "
+                            f"buffers by partition, which MiCS repeats on every copy); "
+                            f"switch one of them off")
     return ZeroConfig(
         stage=stage,
         reduce_bucket_size=s.get("reduce_bucket_size", 5_000_000, _as_int, 1),
@@ -306,8 +284,9 @@ def _parse_zero(raw: Any, world_size: int = 1) -> ZeroConfig:
         stage3_gather_16bit_weights_on_model_save=stage3(
             ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
              "stage3_gather_fp16_weights_on_model_save"), False, _as_bool),
-        **_parse_zeropp(s, stage, world_size),
-        **_parse_offload(s, stage),
+        **zeropp,
+        **many_nodes,
+        **offload,
     )
 
 

@@ -176,6 +176,11 @@ class ZeroConfig:
     zero_quantized_nontrainable_weights: bool = False
     zero_hpz_partition_size: int = 1
     zero_quantized_gradients: bool = False
+    # many nodes (zero_core/runtime/partition_comm.py): MiCS shard groups (-1: off, the
+    # model states spread over every rank) and node-aware partition collectives
+    mics_shard_size: int = -1
+    mics_hierarchical_params_gather: bool = False
+    node_aware_collectives: bool = True
     # offload (zero_core/offload)
     sub_group_size: int = 1_000_000_000
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)

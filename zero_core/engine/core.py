@@ -47,6 +47,7 @@ from zero_core.optim.rules import (collect_param_groups, require_offloadable, ru
                                    rule_from_torch_optimizer)
 from zero_core.optim.partitioned import PartitionedOptimizer
 from zero_core.runtime.context import Runtime
+from zero_core.runtime.partition_comm import build_sharding
 
 log = logging.getLogger("zero_core.engine")
 
@@ -109,10 +110,17 @@ class ZeroEngine(torch.nn.Module):
             raise ConfigError("no trainable parameters: every parameter passed has "
                               "requires_grad=False (or model_parameters is empty)")
 
+        # the ranks the stage partitions over (all; MiCS's shard group), as the stage's
+        # communicator: runtime/partition_comm.py
+        zc = config.zero_optimization
+        self.sharding = build_sharding(self.comm, zc, self.stage,
+                                       uses_qgz=self.stage == 3 and zc.zero_quantized_gradients)
         self.build_context = BuildContext(
-            config=config, comm=self.comm, accelerator=runtime.accelerator,
-            kernels=runtime.kernels, device=self.device, rank=self.global_rank,
-            world_size=self.world_size, stage=self.stage, compute_dtype=self.compute_dtype,
+            config=config, comm=self.sharding.comm, world_comm=self.comm,
+            accelerator=runtime.accelerator,
+            kernels=runtime.kernels, device=self.device, rank=self.sharding.rank,
+            world_size=self.sharding.world_size, stage=self.stage,
+            compute_dtype=self.compute_dtype,
             master_dtype=self.master_dtype, state_dtype=self.state_dtype,
             memory_ledger=self.memory_ledger, inference_only=self.inference_only)
         self.parts = parts(self.build_context)
@@ -141,7 +149,7 @@ class ZeroEngine(torch.nn.Module):
                 param_store=self.parts.param_store)
         else:
             self.optimizer = PartitionedOptimizer(
-                hyper_groups, rule, self.parts.buffers, runtime.kernels, self.comm,
+                hyper_groups, rule, self.parts.buffers, runtime.kernels, self.sharding.comm,
                 self.memory_ledger, self.zero_grad, state_dtype=self.state_dtype)
         self._rule = rule
         self.reducer = self.parts.build_reducer(self.is_gradient_accumulation_boundary)
@@ -287,7 +295,11 @@ class ZeroEngine(torch.nn.Module):
         self.reducer.flush()
         self.reducer.wait_all()
         present = [gb for gb in self.parts.buffers if gb is not None]
+        self._reduce_across_replicas(present)
         local = squared_norm(t for gb in present for t in gb.reduced_grad_tensors())
+        if self.sharding.num_replicas > 1:
+            # every copy holds the same reduced gradients: the world's sum counts each R times
+            local = local / self.sharding.num_replicas
         sumsq = self._all_reduce_step_stats(local)
         scale = self.loss_scale
         overflow = not math.isfinite(sumsq)
@@ -318,6 +330,17 @@ class ZeroEngine(torch.nn.Module):
         self._global_grad_norm = norm
         self._finish_step(stepped=True)
 
+    def _reduce_across_replicas(self, present: list) -> None:
+        """MiCS: sum each rank's reduced gradient partition over its replica group (the
+        ranks holding the same partition in the other shard groups), once per step."""
+        group = self.sharding.replicas
+        if group is None:
+            return
+        handles = [self.comm.all_reduce(t, "sum", group=group, async_op=True)
+                   for gb in present for t in gb.reduced_grad_tensors()]
+        for h in handles:
+            h.wait()
+
     def _all_reduce_step_stats(self, local_sumsq: torch.Tensor) -> float:
         """The global squared gradient norm, with the equal-batch check on the way
         (step_stats.py)."""
@@ -339,7 +362,7 @@ class ZeroEngine(torch.nn.Module):
 
     def _first_nonfinite_parameter(self) -> str | None:
         return first_nonfinite_parameter(self.module, self.parts.buffers, self.comm,
-                                         self.global_rank, self.world_size)
+                                         self.sharding.rank, self.world_size)
 
     def _finish_step(self, stepped: bool):
         self.zero_grad()
@@ -430,7 +453,8 @@ class ZeroEngine(torch.nn.Module):
         if self._rule is not None and self._rule.kind in ("adam", "sgd", "lamb"):
             momentum = any(float(g.get("momentum", 0.0)) for g in self.optimizer.param_groups)
             k = optimizer_k(self._rule.kind, momentum)
-            formula = model_state_breakdown(self.stage, self.num_parameters, self.world_size,
+            formula = model_state_breakdown(self.stage, self.num_parameters,
+                                            self.sharding.world_size,
                                             self.config.precision, k,
                                             master_dtype=dtype_name(self.master_dtype),
                                             states_dtype=dtype_name(self.state_dtype),
@@ -440,7 +464,8 @@ class ZeroEngine(torch.nn.Module):
             # parameters only (in the compute dtype), partitioned at stage 3
             frozen = self.parts.parameter_numel(self.module)
             formula = {"parameters": model_state_breakdown(
-                self.stage, frozen, self.world_size, self.config.precision)["parameters"]}
+                self.stage, frozen, self.sharding.world_size,
+                self.config.precision)["parameters"]}
             formula["model_states"] = formula["parameters"]
         acc = self.runtime.accelerator
         offload = getattr(self.optimizer, "offload_report", None)
@@ -538,6 +563,9 @@ class ZeroEngine(torch.nn.Module):
         def fragments(purpose):
             refuse_unsupported_optimizer(self._rule)
             flat_state = self.optimizer.flat_state if self.optimizer is not None else []
+            replicas = self.sharding.replicas
+            if purpose == "save" and replicas is not None and replicas.rank > 0:
+                return []   # MiCS: the first shard group's copy is the one saved
             return self.parts.checkpoint_fragments(purpose, self.module, flat_state)
 
         def restored():

@@ -120,6 +120,9 @@ class Communicator(ABC):
     name: ClassVar[str] = ""
     #: the accelerator device types this backend can move tensors of
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)
+    #: False when every new group costs much (seconds) or is unreliable: the runtime then
+    #: keeps to the world group where it can (node-aware collectives fall back to flat ones)
+    cheap_groups: ClassVar[bool] = True
 
     @classmethod
     @abstractmethod

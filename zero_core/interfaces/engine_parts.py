@@ -187,7 +187,10 @@ class BuildContext:
     by the engine (``engine.build_context``)."""
 
     config: Any                    # zero_core.config.Config
-    comm: Any                      # the Communicator
+    comm: Any                      # the ranks the stage partitions over, as a Communicator
+    #                                (every rank, or MiCS's shard group: runtime/partition_comm.py)
+    world_comm: Any                # every rank: what the whole job must agree on (the model
+    #                                it starts from)
     accelerator: Any               # the Accelerator
     kernels: Any                   # the KernelSet
     device: torch.device

@@ -27,8 +27,8 @@ class Stage0to2Parts(StageParts):
 
     def prepare_model(self, model):
         move_module(model, self.ctx.device)
-        broadcast_buffers(model, self.ctx.comm)
-        check_parameters_match(model, self.ctx.comm)
+        broadcast_buffers(model, self.ctx.world_comm)
+        check_parameters_match(model, self.ctx.world_comm)
 
     def build(self, model, groups):
         ctx = self.ctx

@@ -42,8 +42,10 @@ import threading
 import torch
 
 from zero_core.config import Config, parse_config
+from zero_core.config.schema import ZeroConfig
 from zero_core.errors import ConfigError, ZeroCoreError
 from zero_core.runtime.launch import discover
+from zero_core.runtime.partition_comm import build_sharding
 from zero_core.partitioning.layout import alignment_for, round_up
 from zero_core.stage3 import partitioned_params as pp
 
@@ -57,10 +59,12 @@ _SUBCLASS_HOOK_INSTALLED = [False]
 # Per-parameter partitions (before an engine owns the parameter).
 # ---------------------------------------------------------------------------------------------
 
-def partition_own(p: torch.nn.Parameter, name: str, rank: int, world_size: int,
+def partition_own(p: torch.nn.Parameter, name: str, comm,
                   device: torch.device | None = None) -> pp.ParamMeta:
-    """Keep only this rank's slice of *p*'s values (padded to world_size × alignment), on
+    """Keep only this rank's slice of *p*'s values over *comm*'s ranks (padded to
+    world_size × alignment; the stages' partition communicator, runtime/partition_comm.py), on
     *device* (default: where *p* was built); *p* becomes a released PartitionedParameter."""
+    rank, world_size = comm.rank, comm.world_size
     values = p.data.detach().reshape(-1)
     meta = pp.mark_partitioned(p, name)
     padded = round_up(meta.numel, world_size * alignment_for(values.element_size()))
@@ -70,16 +74,17 @@ def partition_own(p: torch.nn.Parameter, name: str, rank: int, world_size: int,
     hi = min(lo + shard, meta.numel)
     if lo < hi:
         part[:hi - lo].copy_(values[lo:hi])
-    meta.own_part, meta.own_padded = part, padded
+    meta.own_part, meta.own_padded, meta.own_comm = part, padded, comm
     meta.owner = _INIT_OWNER
     pp.release(p)
     return meta
 
 
-def gather_own(p, comm) -> torch.Tensor:
+def gather_own(p) -> torch.Tensor:
     """The padded flat full values of a parameter partitioned by :func:`partition_own`
-    (collective: every rank calls it for the same parameter)."""
+    (collective over the ranks it was partitioned over: each calls it for the parameter)."""
     meta = pp.meta_of(p)
+    comm = meta.own_comm
     full = torch.empty(meta.own_padded, dtype=meta.own_part.dtype, device=meta.own_part.device)
     if comm.world_size == 1:
         full.copy_(meta.own_part)
@@ -88,10 +93,10 @@ def gather_own(p, comm) -> torch.Tensor:
     return full
 
 
-def _write_back_own(p, full: torch.Tensor, rank: int) -> None:
+def _write_back_own(p, full: torch.Tensor) -> None:
     meta = pp.meta_of(p)
     shard = meta.own_part.numel()
-    meta.own_part.copy_(full.narrow(0, rank * shard, shard))
+    meta.own_part.copy_(full.narrow(0, meta.own_comm.rank * shard, shard))
 
 
 def _checksum(x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +197,7 @@ def _materialize(func, args, kwargs, released):
             raise pp.not_gathered_error(p, func)
     fulls = []
     for p in released:
-        full = gather_own(p, ctx.comm)
+        full = gather_own(p)
         fulls.append(full)
         pp.attach(p, full.narrow(0, 0, pp.meta_of(p).numel))
     try:
@@ -200,7 +205,7 @@ def _materialize(func, args, kwargs, released):
             return func(*args, **kwargs)
     finally:
         for p, full in zip(released, fulls):
-            _write_back_own(p, full, ctx.comm.rank)
+            _write_back_own(p, full)
             pp.release(p)
 
 
@@ -229,7 +234,7 @@ class Init:
         stage = cfg.zero_optimization.stage if cfg is not None else 3
         self.enabled = bool(enabled) and stage == 3
         self.config = cfg
-        self.comm = None
+        self.comm = self.partition_comm = None
         self.device = None
         self._checks: list[tuple] = []   # (parameter, name, checksums)
         self._outermost = None
@@ -250,6 +255,11 @@ class Init:
             return self
         runtime = self._runtime()
         self.comm, self.device = runtime.comm, runtime.device
+        # the ranks the engine will partition over (all, or MiCS's shard group); the
+        # engine reads each parameter's own partition through meta.own_comm
+        zc = self.config.zero_optimization if self.config is not None else ZeroConfig(stage=3)
+        self.partition_comm = build_sharding(runtime.comm, zc, 3,
+                                             uses_qgz=zc.zero_quantized_gradients).comm
         with _LOCK:
             if not _ACTIVE:
                 _install()
@@ -269,14 +279,13 @@ class Init:
 
     def partition_module(self, module: torch.nn.Module) -> None:
         """Partition every parameter of *module* (recursively) not partitioned yet."""
-        comm = self.comm
         self._outermost = module  # the last module finished holds all earlier ones
         for name, p in module.named_parameters():
             if pp.is_partitioned(p):
                 continue
             self._checks.append((p, f"{type(module).__name__}.{name}", _checksum(p.data)))
             # modules are built on the host one at a time; only partitions stay, on the device
-            partition_own(p, name, comm.rank, comm.world_size, self.device)
+            partition_own(p, name, self.partition_comm, self.device)
 
     def _verify(self) -> None:
         """Every rank must have built the same values (one all-reduce)."""
@@ -348,7 +357,7 @@ class GatheredParameters:
             comm = self._comm()
             self._fulls = []
             for p in self._own:
-                full = gather_own(p, comm)
+                full = gather_own(p)
                 self._fulls.append(full)
                 pp.attach(p, full.narrow(0, 0, pp.meta_of(p).numel))
         return self
@@ -385,7 +394,7 @@ class GatheredParameters:
                     _adopt_assigned_data([p], full, [0])
                     if modify and comm.world_size > 1:
                         comm.broadcast(full, src=self.modifier_rank)
-                    _write_back_own(p, full, comm.rank)
+                    _write_back_own(p, full)
                     pp.release(p)
             self._fulls = []
         return False

@@ -57,7 +57,8 @@ class ParamMeta:
     ``unit``: the fetch unit that holds it once an engine owns it (None before).
     ``offset``: where it starts in the unit's gathered flat buffer (elements).
     ``own_part``: before an engine owns it (built under Init), this rank's slice of the
-    parameter's own padded flat values; ``own_padded``: that padded length.
+    parameter's own padded flat values; ``own_padded``: that padded length; ``own_comm``:
+    the communicator whose ranks hold the slices (its rank is this slice's index).
     ``owner``: who answers a read while it is released (see the module docstring).
     ``cls``: the parameter's own class, which it has while available.
     """
@@ -71,6 +72,7 @@ class ParamMeta:
     offset: int = 0
     own_part: torch.Tensor | None = None
     own_padded: int = 0
+    own_comm: Any = None
     owner: Any = None
     cls: type = torch.nn.Parameter
     extra: dict = field(default_factory=dict)

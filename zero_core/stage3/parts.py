@@ -50,11 +50,11 @@ class Stage3Parts(StageParts):
     def prepare_model(self, model):
         ctx = self.ctx
         move_module(model, ctx.device, parameters=False)
-        broadcast_buffers(model, ctx.comm)
+        broadcast_buffers(model, ctx.world_comm)
         plain = [p for p in model.parameters() if not pp.is_partitioned(p)]
         if plain and len(plain) == len(list(model.parameters())):
             # built without Init: verify as stages 0-2 do (Init verified its own)
-            check_parameters_match(model, ctx.comm)
+            check_parameters_match(model, ctx.world_comm)
         for p in plain:
             move_parameter(p, ctx.device)
 
@@ -130,7 +130,7 @@ class Stage3Parts(StageParts):
         for p, off, name in zip(u.params, u.offsets, u.names):
             n = p.numel()
             if pp.is_partitioned(p):
-                src = gather_own(p, ctx.comm).narrow(0, 0, n)
+                src = gather_own(p).narrow(0, 0, n)
             else:
                 src = p.data.reshape(-1)
             flat.narrow(0, off, n).copy_(src)
@@ -275,7 +275,7 @@ class Stage3Parts(StageParts):
                     pp.attach(p, full.narrow(0, off, pp.meta_of(p).numel))
                     del p.__dict__["_zc"]   # the engine's bookkeeping goes with the engine
                     p.grad = None
-                    partition_own(p, name, ctx.rank, ctx.world_size, ctx.device)
+                    partition_own(p, name, ctx.comm, ctx.device)
                 del full
         self.units = []
         return module

@@ -132,7 +132,7 @@ class _Values:
         meta = pp.meta_of(t)
         if meta.unit is None:   # built under Init, not adopted by an engine yet
             from zero_core.stage3.init_context import gather_own
-            return gather_own(t, self.comm).narrow(0, 0, meta.numel).view(meta.shape)
+            return gather_own(t).narrow(0, 0, meta.numel).view(meta.shape)
         u = meta.unit
         if u is not self._unit:
             self.done()

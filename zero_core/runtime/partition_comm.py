@@ -1,0 +1,276 @@
+"""The ranks a ZeRO partition is spread over, seen by the stages as a communicator.
+
+Every stage partitions its model states over "the world" of the communicator it is given
+(``BuildContext.comm``): rank ``i`` of ``world_size`` owns slice ``i``. This module decides
+what that world is — the one place where MiCS and node-aware collectives live — and hands the
+stages a :class:`PartitionComm` whose ``rank``, ``world_size`` and default group are it:
+
+- **plain**: every rank, in rank order; collectives go over the communicator's world group.
+- **MiCS** (``mics_shard_size`` G, DeepSpeed's key): the G consecutive ranks of this rank's
+  *shard group*; the N/G shard groups each hold a whole copy of the model states. Parameters
+  are gathered and gradients reduce-scattered inside the shard group; the engine then
+  all-reduces each rank's reduced gradient partition over its *replica group* (the ranks
+  with the same index in every shard group) at the accumulation boundary.
+- **node-aware** (``node_aware_collectives``, and ``mics_hierarchical_params_gather`` for a
+  shard group spanning nodes): the partition group spans K nodes of L ranks. Its ranks are
+  numbered local-rank-major — partition index ``l·K + n`` for local rank l on node n — so
+  that an all-gather is two steps with no reordering: first across nodes among the K ranks
+  of equal local rank (each sends its slice once over the slow link), then inside the node
+  (each forwards the K slices it holds). A reduce-scatter runs in reverse: inside the node,
+  then across nodes. Per rank, for a payload of P elements of b bytes (N = K·L):
+
+      all-gather      inter (K-1)·P·b/N    intra (L-1)·P·b/L
+      reduce-scatter  intra (L-1)·P·b/L    inter (K-1)·P·b/N
+
+  against (N-1)·P·b/N for the flat collective on a group spanning nodes, all of it counted
+  inter-node by the ledger. The second step starts when the first is waited for
+  (``Then``): prefetching overlaps the slow hop, not the node-local one.
+
+What is refused, and why: shard sizes that are neither a divisor nor a multiple of the ranks
+per node (a shard group must be whole nodes or lie inside one); MiCS with qgZ or hpZ
+(config/parser.py says why). Node-aware collectives fall back to the flat ones — with a log
+line — under qgZ (its own two-hop reduction assumes rank-ordered chunks) and on communicators
+whose groups are costly to create (``Communicator.cheap_groups`` false: oneCCL). Group-
+creating calls (``new_group``, ``split``, ``intra_node_group``...) and every call given an
+explicit *group* go to the underlying communicator unchanged: they speak global ranks.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from zero_core.errors import CommError, ConfigError
+from zero_core.interfaces.communicator import Communicator, Group
+from zero_core.interfaces.handles import Then
+
+log = logging.getLogger("zero_core.runtime")
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """Which ranks partition together, in which order, and how they gather (pure numbers:
+    the same on every rank, tested without a communicator)."""
+
+    groups: tuple[tuple[int, ...], ...]      # each partition group's ranks, by partition index
+    hierarchical: bool                       # node-aware two-step collectives
+    nodes_per_group: int                     # K: nodes one partition group spans
+    ranks_per_node: int                      # L
+
+    @property
+    def size(self) -> int:
+        return len(self.groups[0])
+
+    @property
+    def replicas(self) -> int:
+        """How many copies of the model states the job holds (N / partition size)."""
+        return len(self.groups)
+
+    def group_of(self, rank: int) -> tuple[int, ...]:
+        return next(g for g in self.groups if rank in g)
+
+    def replica_partition(self) -> list[list[int]]:
+        """The replica groups: for each partition index, that index's rank in every group."""
+        return [[g[i] for g in self.groups] for i in range(self.size)]
+
+    def across_partition(self) -> list[list[int]]:
+        """Hierarchical: the ranks of equal local rank on the nodes of one partition group."""
+        out = []
+        for g in self.groups:
+            k = self.nodes_per_group
+            out += [list(g[i * k:(i + 1) * k]) for i in range(len(g) // k)]
+        return out
+
+
+def plan_partition(world_size: int, ranks_per_node: int, shard_size: int = -1,
+                   node_aware: bool = True) -> PartitionPlan:
+    """The partition groups of a job (module docstring). *shard_size* -1: every rank (plain);
+    *node_aware*: number a group spanning several nodes local-rank-major and gather in two
+    steps (for MiCS: ``mics_hierarchical_params_gather``)."""
+    L = ranks_per_node
+    G = world_size if shard_size == -1 else shard_size
+    if G < 1 or world_size % G:
+        raise ConfigError(f"zero_optimization.mics_shard_size = {shard_size} must divide the "
+                          f"world size {world_size}")
+    if G > L and G % L:
+        raise ConfigError(
+            f"zero_optimization.mics_shard_size = {G}: a shard group must lie inside one node "
+            f"or be whole nodes, and this job has {L} ranks per node; use a divisor or a "
+            f"multiple of {L} (normally {L})")
+    K = max(1, G // L)
+    hierarchical = node_aware and K > 1 and L > 1
+    groups = []
+    for start in range(0, world_size, G):
+        if hierarchical:
+            # partition index l·K + n: local rank l on the group's node n
+            groups.append(tuple(start + n * L + l for l in range(L) for n in range(K)))
+        else:
+            groups.append(tuple(range(start, start + G)))
+    return PartitionPlan(tuple(groups), hierarchical, K, L)
+
+
+class PartitionComm:
+    """A communicator whose world is one partition group (module docstring). Collectives
+    without an explicit *group* run over the partition group, in partition-index order;
+    everything else is the underlying communicator's."""
+
+    def __init__(self, base: Communicator, plan: PartitionPlan, world: Group,
+                 across: Group | None = None, inside: Group | None = None):
+        self.base, self.plan = base, plan
+        self.order = plan.group_of(base.rank)
+        self.rank = self.order.index(base.rank)
+        self.world_size = len(self.order)
+        self.world = world
+        self.across, self.inside = across, inside
+
+    def __getattr__(self, name):
+        # ledger, name, timeout, topology, supports, device_types, staging, new_group, ...
+        return getattr(self.base, name)
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.across is not None
+
+    def _own(self, group) -> bool:
+        return group is None or group is self.world
+
+    def all_gather_into(self, output, input, group: Group | None = None, async_op: bool = False):
+        if not self._own(group):
+            return self.base.all_gather_into(output, input, group, async_op)
+        if not self.hierarchical:
+            return self.base.all_gather_into(output, input, self.world, async_op)
+        k = self.across.size
+        mine = output.new_empty(input.numel() * k)   # my local rank's slice on every node
+        first = self.base.all_gather_into(mine, input, self.across, async_op=True)
+        handle = Then(first, lambda: self.base.all_gather_into(output, mine, self.inside,
+                                                               async_op=True))
+        return _finish(handle, async_op)
+
+    def reduce_scatter(self, output, input, op: str = "sum", group: Group | None = None,
+                       async_op: bool = False):
+        if not self._own(group):
+            return self.base.reduce_scatter(output, input, op, group, async_op)
+        if not self.hierarchical:
+            return self.base.reduce_scatter(output, input, op, self.world, async_op)
+        if op == "avg":
+            raise CommError("reduce_scatter: op 'avg' is not supported by the node-aware "
+                            "reduce-scatter (its two steps would average twice); use 'sum'")
+        if input.numel() != output.numel() * self.world_size:
+            raise CommError(f"reduce_scatter over the partition group: input has "
+                            f"{input.numel()} elements but needs output.numel() * "
+                            f"{self.world_size} = {output.numel() * self.world_size}")
+        node_sum = output.new_empty(output.numel() * self.across.size)
+        first = self.base.reduce_scatter(node_sum, input, op, self.inside, async_op=True)
+        handle = Then(first, lambda: self.base.reduce_scatter(output, node_sum, op,
+                                                              self.across, async_op=True))
+        return _finish(handle, async_op)
+
+    def all_reduce(self, tensor, op: str = "sum", group: Group | None = None,
+                   async_op: bool = False):
+        return self.base.all_reduce(tensor, op, self.world if self._own(group) else group,
+                                    async_op)
+
+    def broadcast(self, tensor, src: int = 0, group: Group | None = None,
+                  async_op: bool = False):
+        if self._own(group):
+            # src is a partition index; the group speaks its own (sorted) rank order
+            src, group = self.world.ranks.index(self.order[src]), self.world
+        return self.base.broadcast(tensor, src, group, async_op)
+
+    def all_to_all_single(self, output, input, group: Group | None = None,
+                          async_op: bool = False):
+        if self._own(group) and self.hierarchical:
+            raise CommError("all_to_all_single over a node-aware partition group is not "
+                            "supported (its chunks follow partition order, not the group's); "
+                            "pass an explicit group")
+        return self.base.all_to_all_single(output, input,
+                                           self.world if self._own(group) else group, async_op)
+
+    def barrier(self, group: Group | None = None) -> None:
+        self.base.barrier(self.world if self._own(group) else group)
+
+    def describe(self) -> str:
+        how = "node-aware, " if self.hierarchical else ""
+        return (f"partition index {self.rank} of {self.world_size} ({how}"
+                f"{self.plan.replicas} cop{'y' if self.plan.replicas == 1 else 'ies'}) over "
+                f"{self.base.describe()}")
+
+
+def _finish(handle, async_op: bool):
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What the engine needs to know about its partitioning: the stages' communicator and,
+    with MiCS, the group its gradient partitions are all-reduced over."""
+
+    comm: PartitionComm | Communicator     # the stages' world
+    replicas: Group | None                  # MiCS: this rank's replica group, else None
+    num_replicas: int
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+
+_CACHE: dict = {}
+
+
+def build_sharding(comm: Communicator, zero_config, stage: int,
+                   uses_qgz: bool = False) -> Sharding:
+    """Collective on first use per setting: the partition groups of *zero_config* over
+    *comm* (cached, so that the engine and ``zero_core.Init`` share their groups)."""
+    mics = zero_config.mics_shard_size if stage >= 1 else -1
+    node_aware = (zero_config.mics_hierarchical_params_gather if mics > 0
+                  else zero_config.node_aware_collectives and stage >= 1)
+    if node_aware and uses_qgz:
+        node_aware = False
+        _log_once(comm, "node-aware collectives are off: ZeRO++ qgZ reduces gradients in "
+                        "its own two hops")
+    if node_aware and not getattr(comm, "cheap_groups", True):
+        node_aware = False
+        _log_once(comm, f"node-aware collectives are off: creating the groups they need is "
+                        f"costly on the {comm.name} communicator; its flat collectives are "
+                        f"used")
+    key = (id(comm), mics, node_aware)
+    cached = _CACHE.get(key)
+    if cached is not None and cached[0] is comm:
+        return cached[1]
+    topo = comm.topology
+    plan = plan_partition(comm.world_size, topo.ranks_per_node, mics, node_aware)
+    if mics > 0 and zero_config.mics_hierarchical_params_gather and not plan.hierarchical:
+        _log_once(comm, f"mics_hierarchical_params_gather has no effect: each shard group "
+                        f"of {mics} ranks lies inside one node ({topo.ranks_per_node} ranks)")
+    if plan.replicas == 1 and not plan.hierarchical:
+        sharding = Sharding(comm, None, 1)
+    else:
+        world = (comm.world if plan.replicas == 1
+                 else comm.split([sorted(g) for g in plan.groups], "mics_shard"))
+        across = inside = None
+        if plan.hierarchical:
+            across = comm.split(plan.across_partition(), "partition_across_nodes")
+            inside = comm.intra_node_group()
+        replicas = (comm.split(plan.replica_partition(), "mics_replica")
+                    if plan.replicas > 1 else None)
+        sharding = Sharding(PartitionComm(comm, plan, world, across, inside), replicas,
+                            plan.replicas)
+        if comm.rank == 0:
+            log.info("partitioning: %s", sharding.comm.describe())
+    _CACHE[key] = (comm, sharding)
+    return sharding
+
+
+def _log_once(comm, message: str) -> None:
+    if comm.rank == 0 and message not in _LOGGED:
+        _LOGGED.add(message)
+        log.info(message)
+
+
+_LOGGED: set = set()
