@@ -35,10 +35,13 @@ NORM_BYTES = 2 * (N - 1) * 3 * 8 // N   # the step's one all-reduce of three flo
 pytestmark = pytest.mark.multirank
 
 FP32 = ("stage3_node_aware", "stage3_flat", "stage3_mics", "stage3_mics_init",
-        "stage3_mics_hier", "stage3_node_aware_init", "stage2_mics", "stage1_mics",
+        "stage3_mics_hier", "stage3_node_aware_init", "stage3_node_aware_hpz",
+        "stage3_mics_offload",
+        "stage2_mics_offload", "stage2_mics", "stage1_mics",
         "stage2_node_aware", "stage1_node_aware")
 PLANS = {
-    "torchrun": ",".join(FP32 + ("stage3_mics_bf16", "stage3_mics_qwz", "collectives", "units",
+    "torchrun": ",".join(FP32 + ("stage3_mics_bf16", "stage3_mics_qwz",
+                                 "stage3_node_aware_qwz_hpz", "collectives", "units",
                                  "checkpoint")),
     "mpirun": "stage3_node_aware,stage3_mics,stage1_mics,collectives",
 }
@@ -75,11 +78,13 @@ def test_every_configuration_equals_the_single_process_reference(launcher, tmp_p
             assert all(rep[name]["ranks_agree"] for rep in reps), name
 
 
-def test_bf16_and_qwz_under_mics(tmp_path_factory):
+def test_bf16_and_qwz_compose(tmp_path_factory):
+    """bf16 under MiCS; qwZ under MiCS, and qwZ + hpZ with node-aware gathers."""
     for rep in launch("torchrun", tmp_path_factory):
         assert rep["stage3_mics_bf16"]["rel_diff"] <= RTOL_BF16
-        qwz = rep["stage3_mics_qwz"]["rel_diff"]
-        assert 1e-6 < qwz <= RTOL_QWZ   # it really quantized, and stayed close
+        for name in ("stage3_mics_qwz", "stage3_node_aware_qwz_hpz"):
+            qwz = rep[name]["rel_diff"]
+            assert 1e-6 < qwz <= RTOL_QWZ, name   # it really quantized, and stayed close
 
 
 def test_mics_holds_the_model_states_of_its_shard_group(tmp_path_factory):

@@ -74,8 +74,6 @@ def test_config_keys_are_parsed_with_deepspeed_defaults():
     ({"mics_hierarchical_params_gather": True}, "MiCS is off"),
     ({"mics_shard_size": 2, "zero_quantized_gradients": True}, "qgZ"),
     ({"mics_shard_size": 2, "zero_hpz_partition_size": 2}, "hpZ"),
-    ({"mics_shard_size": 2, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer"),
-    ({"mics_shard_size": 2, "offload_param": {"device": "cpu"}}, "offload_param"),
     ({"node_aware_collectives": "yes"}, "node_aware_collectives"),
 ])
 def test_bad_many_node_settings_are_named(zero, why):
@@ -112,3 +110,35 @@ def test_node_aware_falls_back_to_flat_where_it_cannot_help_or_costs_groups():
     assert build_sharding(off, ZeroConfig(stage=3, node_aware_collectives=False), 3).comm is off
     stage0 = _Comm(4, 2)                                # stage 0 partitions nothing
     assert build_sharding(stage0, ZeroConfig(stage=0), 0).comm is stage0
+
+
+class _Landing:
+    """A first hop that has landed once *done* is set."""
+
+    def __init__(self):
+        self.done = False
+        self.waited = False
+
+    def is_completed(self):
+        return self.done
+
+    def wait(self):
+        self.waited = True
+        self.done = True
+
+
+def test_second_hops_start_in_call_order_as_soon_as_their_first_landed():
+    from zero_core.runtime.partition_comm import _HopQueue
+    queue, started = _HopQueue(), []
+    firsts = [_Landing() for _ in range(3)]
+    hops = [queue.launch(f, lambda i=i: started.append(i) or _Landing())
+            for i, f in enumerate(firsts)]
+    firsts[1].done = True          # the second one landed first: it must not overtake
+    queue.progress()
+    assert started == []
+    firsts[0].done = True
+    queue.progress()
+    assert started == [0, 1]
+    hops[2].wait()                 # waiting starts it (after its first hop) and waits
+    assert started == [0, 1, 2] and firsts[2].waited and hops[2].second.waited
+    assert not queue.pending

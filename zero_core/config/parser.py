@@ -257,14 +257,6 @@ def _parse_zero(raw: Any, world_size: int = 1) -> ZeroConfig:
     zeropp = parse_zeropp(s, stage, world_size)
     many_nodes = parse_many_nodes(s, stage, world_size, zeropp)
     offload = _parse_offload(s, stage)
-    if many_nodes["mics_shard_size"] > 0:
-        for key in ("offload_optimizer", "offload_param"):
-            if offload[key].device != "none":
-                raise _fail("zero_optimization.mics_shard_size", many_nodes["mics_shard_size"],
-                            f"MiCS together with zero_optimization.{key} is not implemented "
-                            f"yet (the offload stores name their swap files and host "
-                            f"buffers by partition, which MiCS repeats on every copy); "
-                            f"switch one of them off")
     return ZeroConfig(
         stage=stage,
         reduce_bucket_size=s.get("reduce_bucket_size", 5_000_000, _as_int, 1),

@@ -23,8 +23,16 @@ stages a :class:`PartitionComm` whose ``rank``, ``world_size`` and default group
       reduce-scatter  intra (L-1)·P·b/L    inter (K-1)·P·b/N
 
   against (N-1)·P·b/N for the flat collective on a group spanning nodes, all of it counted
-  inter-node by the ledger. The second step starts when the first is waited for
-  (``Then``): prefetching overlaps the slow hop, not the node-local one.
+  inter-node by the ledger.
+
+Two-hop progress: a node-aware collective returns a :class:`TwoHops` handle. Its second hop
+starts as soon as its first has landed — checked whenever the partition communicator is
+called or waited on — so a prefetched gather or a reduce-scatter launched during backward
+runs both hops behind compute. Because "has landed" is seen at different moments on
+different ranks, each hop kind has its own group (all-gathers: ``across`` then ``inside``;
+reduce-scatters: ``inside_rs`` then ``across_rs``) and second hops start strictly in call
+order: every rank then issues each group's collectives in the same order, whatever the
+timing, which is what matching collectives requires.
 
 What is refused, and why: shard sizes that are neither a divisor nor a multiple of the ranks
 per node (a shard group must be whole nodes or lie inside one); MiCS with qgZ or hpZ
@@ -39,9 +47,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from collections import deque
+from typing import Callable
+
 from zero_core.errors import CommError, ConfigError
 from zero_core.interfaces.communicator import Communicator, Group
-from zero_core.interfaces.handles import Then
 
 log = logging.getLogger("zero_core.runtime")
 
@@ -108,19 +118,79 @@ def plan_partition(world_size: int, ranks_per_node: int, shard_size: int = -1,
     return PartitionPlan(tuple(groups), hierarchical, K, L)
 
 
+@dataclass(frozen=True)
+class HopGroups:
+    """The four groups of node-aware collectives (module docstring: one per hop kind)."""
+
+    across: Group        # all-gather, first hop: same local rank on the group's nodes
+    inside: Group        # all-gather, second hop: this node's ranks
+    inside_rs: Group     # reduce-scatter, first hop
+    across_rs: Group     # reduce-scatter, second hop
+
+
+class TwoHops:
+    """A node-aware collective in flight: its first hop's handle and how to start the
+    second (*start_second*, which returns the second hop's handle)."""
+
+    def __init__(self, queue: "_HopQueue", first, start_second: Callable[[], object]):
+        self.queue, self.first, self.start_second = queue, first, start_second
+        self.second = None
+
+    def advance(self, block: bool) -> bool:
+        """Start the second hop if the first has landed (waiting for it when *block*)."""
+        if self.second is None:
+            if not block and not self.first.is_completed():
+                return False
+            self.first.wait()        # also runs its finishing work (staging copies)
+            self.second = self.start_second()
+        return True
+
+    def wait(self) -> None:
+        self.queue.start_through(self)
+        self.second.wait()
+
+    def is_completed(self) -> bool:
+        self.queue.progress()
+        return self.second is not None and self.second.is_completed()
+
+
+class _HopQueue:
+    """Node-aware collectives of one kind whose second hop has not started, in call order."""
+
+    def __init__(self):
+        self.pending: deque[TwoHops] = deque()
+
+    def launch(self, first, start_second) -> TwoHops:
+        hops = TwoHops(self, first, start_second)
+        self.pending.append(hops)
+        return hops
+
+    def progress(self) -> None:
+        """Start the second hops whose first hop has landed, oldest first, stopping at the
+        first that has not (later ones must not overtake it)."""
+        while self.pending and self.pending[0].advance(block=False):
+            self.pending.popleft()
+
+    def start_through(self, hops: TwoHops) -> None:
+        """Start every second hop up to and including *hops*' (waiting for first hops)."""
+        while hops.second is None:
+            self.pending.popleft().advance(block=True)
+
+
 class PartitionComm:
     """A communicator whose world is one partition group (module docstring). Collectives
     without an explicit *group* run over the partition group, in partition-index order;
     everything else is the underlying communicator's."""
 
     def __init__(self, base: Communicator, plan: PartitionPlan, world: Group,
-                 across: Group | None = None, inside: Group | None = None):
+                 hops: HopGroups | None = None):
         self.base, self.plan = base, plan
         self.order = plan.group_of(base.rank)
         self.rank = self.order.index(base.rank)
         self.world_size = len(self.order)
         self.world = world
-        self.across, self.inside = across, inside
+        self.hops = hops
+        self._gathers, self._reductions = _HopQueue(), _HopQueue()
 
     def __getattr__(self, name):
         # ledger, name, timeout, topology, supports, device_types, staging, new_group, ...
@@ -128,7 +198,11 @@ class PartitionComm:
 
     @property
     def hierarchical(self) -> bool:
-        return self.across is not None
+        return self.hops is not None
+
+    def _progress(self) -> None:
+        self._gathers.progress()
+        self._reductions.progress()
 
     def _own(self, group) -> bool:
         return group is None or group is self.world
@@ -138,11 +212,12 @@ class PartitionComm:
             return self.base.all_gather_into(output, input, group, async_op)
         if not self.hierarchical:
             return self.base.all_gather_into(output, input, self.world, async_op)
-        k = self.across.size
-        mine = output.new_empty(input.numel() * k)   # my local rank's slice on every node
-        first = self.base.all_gather_into(mine, input, self.across, async_op=True)
-        handle = Then(first, lambda: self.base.all_gather_into(output, mine, self.inside,
-                                                               async_op=True))
+        self._progress()
+        hops = self.hops
+        mine = output.new_empty(input.numel() * hops.across.size)   # my local rank's
+        first = self.base.all_gather_into(mine, input, hops.across, async_op=True)  # slices
+        handle = self._gathers.launch(first, lambda: self.base.all_gather_into(
+            output, mine, hops.inside, async_op=True))
         return _finish(handle, async_op)
 
     def reduce_scatter(self, output, input, op: str = "sum", group: Group | None = None,
@@ -158,10 +233,12 @@ class PartitionComm:
             raise CommError(f"reduce_scatter over the partition group: input has "
                             f"{input.numel()} elements but needs output.numel() * "
                             f"{self.world_size} = {output.numel() * self.world_size}")
-        node_sum = output.new_empty(output.numel() * self.across.size)
-        first = self.base.reduce_scatter(node_sum, input, op, self.inside, async_op=True)
-        handle = Then(first, lambda: self.base.reduce_scatter(output, node_sum, op,
-                                                              self.across, async_op=True))
+        self._progress()
+        hops = self.hops
+        node_sum = output.new_empty(output.numel() * hops.across_rs.size)
+        first = self.base.reduce_scatter(node_sum, input, op, hops.inside_rs, async_op=True)
+        handle = self._reductions.launch(first, lambda: self.base.reduce_scatter(
+            output, node_sum, op, hops.across_rs, async_op=True))
         return _finish(handle, async_op)
 
     def all_reduce(self, tensor, op: str = "sum", group: Group | None = None,
@@ -253,14 +330,16 @@ def build_sharding(comm: Communicator, zero_config, stage: int,
     else:
         world = (comm.world if plan.replicas == 1
                  else comm.split([sorted(g) for g in plan.groups], "mics_shard"))
-        across = inside = None
+        hops = None
         if plan.hierarchical:
-            across = comm.split(plan.across_partition(), "partition_across_nodes")
-            inside = comm.intra_node_group()
+            across, nodes = plan.across_partition(), comm.topology.intra_node_partition()
+            hops = HopGroups(comm.split(across, "gather_across_nodes"),
+                             comm.split(nodes, "gather_inside_node"),
+                             comm.split(nodes, "reduce_inside_node"),
+                             comm.split(across, "reduce_across_nodes"))
         replicas = (comm.split(plan.replica_partition(), "mics_replica")
                     if plan.replicas > 1 else None)
-        sharding = Sharding(PartitionComm(comm, plan, world, across, inside), replicas,
-                            plan.replicas)
+        sharding = Sharding(PartitionComm(comm, plan, world, hops), replicas, plan.replicas)
         if comm.rank == 0:
             log.info("partitioning: %s", sharding.comm.describe())
     _CACHE[key] = (comm, sharding)

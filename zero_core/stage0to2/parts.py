@@ -85,7 +85,7 @@ class Stage0to2Parts(StageParts):
         return group_layouts(module, self.buffers)
 
     def state_dict(self, module, rank0_only, exclude_frozen):
-        if rank0_only and self.ctx.rank != 0:
+        if rank0_only and self.ctx.world_comm.rank != 0:
             return {}
         frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
         return {k: v.detach().clone() for k, v in module.state_dict().items()

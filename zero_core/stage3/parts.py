@@ -244,8 +244,9 @@ class Stage3Parts(StageParts):
 
     # ---- the model, whole ----------------------------------------------------------------------------
     def state_dict(self, module, rank0_only, exclude_frozen):
-        return consolidated_state_dict(module, self.units, self.gatherer, self.ctx.rank,
-                                       rank0_only, exclude_frozen)
+        # "rank 0" is the job's (MiCS: not each shard group's partition index 0)
+        return consolidated_state_dict(module, self.units, self.gatherer,
+                                       self.ctx.world_comm.rank, rank0_only, exclude_frozen)
 
     def hand_back_model(self, module):
         """Return *module* partitioned the way ``zero_core.Init`` leaves a model, so that

@@ -7,6 +7,7 @@ Where things are:
 - hpz.py — hpZ: secondary partitions inside the node, so re-gathers stay in the node;
 - fetch.py — the gather strategy that picks among them for each gather;
 - qgz.py — qgZ: gradient reduction as a two-hop int4 all-to-all, with its fallbacks;
+- handles.py — in-flight work (a collective plus what runs after it);
 - strategies.py — ZeroPlusPlus, what the stage-3 engine talks to;
 - volume.py — inter-node bytes per rank and step of ZeRO-3 and ZeRO++ (formulas).
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from zero_core.interfaces.communicator import Communicator
-from zero_core.interfaces.handles import Then
+from zero_core.zeropp.handles import Then
 from zero_core.zeropp.hpz import SecondaryPartitions
 from zero_core.zeropp.qwz import QuantizedGather
 

@@ -39,7 +39,7 @@ import logging
 import torch
 
 from zero_core.interfaces.communicator import Communicator
-from zero_core.interfaces.handles import Then
+from zero_core.zeropp.handles import Then
 from zero_core.zeropp.wire import INT4_ZERO_BYTE, QGZ_BITS, QGZ_BLOCK, SlotLayout
 
 log = logging.getLogger("zero_core.zeropp")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from zero_core.interfaces.communicator import Communicator, Group
-from zero_core.interfaces.handles import Then
+from zero_core.zeropp.handles import Then
 from zero_core.zeropp.wire import QWZ_BITS, QWZ_BLOCK, SlotLayout
 
 

@@ -1,4 +1,4 @@
-"""In-flight work: a collective's handle plus what must run after it completes."""
+"""In-flight ZeRO++ work: a collective's handle plus what must run after it completes."""
 from __future__ import annotations
 
 from typing import Callable
@@ -7,9 +7,8 @@ from typing import Callable
 class Then:
     """Wraps *handle* (a communicator handle, or None for work already done) and runs
     *after()* once, on the first ``wait()``; ``after`` may return another handle-like
-    object, which is waited for too. This is how ZeRO++'s dequantization on arrival, qgZ's
-    middle hop and hpZ's refresh, and the second hop of a node-aware collective
-    (runtime/partition_comm.py), attach to the collectives the engine waits for."""
+    object, which is waited for too. This is how dequantization on arrival, the middle hop
+    of qgZ and hpZ's refresh attach to the collectives the stage-3 engine waits for."""
 
     def __init__(self, handle, after: Callable[[], object] | None):
         self.handle, self.after = handle, after
