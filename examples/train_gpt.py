@@ -37,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--zeropp", action="store_true",
                    help="ZeRO++ (stage 3): qwZ int8 weight all-gather, hpZ secondary partition "
                         "inside a node, qgZ int4 gradient all-to-all")
+    p.add_argument("--mics", type=int, default=-1, metavar="G",
+                   help="MiCS (stages 1-3): one copy of the model states per group of G ranks "
+                        "(normally the ranks per node), replicated across groups; -1: off")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
                    help="where the optimizer states live (ZeRO-Offload / ZeRO-Infinity)")
     p.add_argument("--nvme-path", default=None,
@@ -97,6 +100,8 @@ def build_config(args: argparse.Namespace) -> dict:
             raise SystemExit("--zeropp needs --stage 3 (ZeRO++ extends stage 3)")
         cfg["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True,
                                         zero_hpz_partition_size=_ranks_per_node())
+    if args.mics != -1:
+        cfg["zero_optimization"]["mics_shard_size"] = args.mics
     if args.offload != "none":
         if args.stage == 0:
             raise SystemExit("--offload needs --stage 1, 2 or 3")
@@ -207,8 +212,11 @@ def _table(header: list, rows: list) -> str:
     return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *map(fmt, rows)])
 
 
-def format_memory_table(reports: list, stage: int, precision: str, world: int) -> str:
-    """Per-rank bytes the engine allocated, next to ARCHITECTURE §4's formula, in MiB."""
+def format_memory_table(reports: list, stage: int, precision: str, world: int,
+                        copies: int = 1) -> str:
+    """Per-rank bytes the engine allocated, next to ARCHITECTURE §4's formula, in MiB;
+    *world*: the ranks one copy of the model states is spread over (MiCS: the shard group),
+    *copies*: how many such copies the job holds."""
     if not all(isinstance(r, dict) and "ledger" in r for r in reports):
         return "memory per rank\n" + format_rank_table(reports)
     formula = reports[0].get("formula") or {}
@@ -229,7 +237,8 @@ def format_memory_table(reports: list, stage: int, precision: str, world: int) -
                  *(mib((r.get("accelerator") or {}).get("peak")) for r in reports), "–"])
     kind = "fp32" if precision == "fp32" else "mixed"
     title = (f"ZeRO stage {stage}, {precision}: model states per rank = "
-             f"{FORMULA_TEXT[(kind, stage)]} with Ψ = {psi:,} parameters, N = {world} ranks")
+             f"{FORMULA_TEXT[(kind, stage)]} with Ψ = {psi:,} parameters, N = {world} ranks"
+             + (f" (MiCS: {copies} copies)" if copies > 1 else ""))
     return title + "\n" + _table(header, rows)
 
 
@@ -335,7 +344,9 @@ def main(argv=None) -> dict:
     comm = gather_to_rank0(dict(engine.comm_report(), num_parameters=engine.num_parameters))
     if is_main:
         print()
-        print(format_memory_table(memory, args.stage, args.precision, world))
+        print(format_memory_table(memory, args.stage, args.precision,
+                                  engine.build_context.world_size,
+                                  world // engine.build_context.world_size))
         print()
         print(format_comm_table(comm, args.stage, args.precision, world))
     return {"rank": rank, "world_size": world, "val_start": val_start, "val_end": val_end,

@@ -28,6 +28,7 @@ from zero_core.errors import ConfigError
 from zero_core.interfaces.kernels import KernelSet
 from zero_core.runtime.failures import install_failure_report
 from zero_core.runtime.launch import LaunchInfo, discover, env_setting
+from zero_core.runtime.partition_comm import forget as forget_partition_groups
 from zero_core.runtime.topology import Topology, resolve_ranks_per_node
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -127,6 +128,7 @@ def shutdown() -> None:
         except Exception:  # a dead peer: nothing left to synchronize with
             pass
     if _RUNTIME is not None:
+        forget_partition_groups(_RUNTIME.comm)
         _RUNTIME.comm.shutdown()
         _RUNTIME = None
     if dist.is_initialized():

@@ -346,6 +346,12 @@ def build_sharding(comm: Communicator, zero_config, stage: int,
     return sharding
 
 
+def forget(comm: Communicator) -> None:
+    """Drop the partition groups built over *comm* (the runtime shuts it down)."""
+    for key in [k for k, (c, _) in _CACHE.items() if c is comm]:
+        del _CACHE[key]
+
+
 def _log_once(comm, message: str) -> None:
     if comm.rank == 0 and message not in _LOGGED:
         _LOGGED.add(message)
