@@ -17,18 +17,31 @@ between ranks of one node is not shaped). The table shows, per (rate, variant):
   speed-up     the first variant's median step time over this one's, at the same rate
   fwd/bwd/opt  median over timed steps of the ranks' mean forward, backward and optimizer
                step seconds, when the worker reports ``phase_times_s``
+  peak RSS     the largest rank's peak resident set in MB, when the worker reports
+               ``peak_rss_mb``
 
 Worker protocol (how the real engine worker plugs in): the worker is a Python file run
 on every rank with ``--variant NAME --steps S --warmup W`` plus ``--worker-args``; it
 calls ``zero_core.testing.ranks.report({...})`` once with at least ``step_times_s`` (a list of
 the timed steps' durations in seconds) and ``ledger`` (``CommLedger.difference`` over the
 timed steps), and may add ``link_tx_bytes`` on local rank 0 (its node's veth counter
-difference over the timed steps; see ci/bench/workers/comm_volume.py). The default worker,
+difference over the timed steps; see ci/bench/workers/comm_volume.py) and ``peak_rss_mb``.
+A variant that cannot run here (a peer without the feature) reports ``{"error": REASON}``
+instead: its row says "did not run: REASON" and the others still run. The default worker,
 ci/bench/workers/comm_volume.py, times only the collectives of ZeRO-3 and of ZeRO++
 (qwZ + hpZ + qgZ) for ``--params`` parameters. Once the stage-3 engine exists:
 
     python ci/bench/cluster.py --worker ci/bench/workers/<engine worker>.py \\
         --variants stage3,stage3-zeropp --worker-args "--model small"
+
+The multi-node comparison (node-aware ZeRO-3, MiCS, ZeRO++, FSDP2 hybrid sharding,
+DeepSpeed ZeRO-3 and MiCS; ci/bench/workers/multinode_engine.py), results beside the
+others' rather than over docs/images/cluster.json:
+
+    python ci/bench/cluster.py --worker ci/bench/workers/multinode_engine.py \\
+        --variants zero3,zero3-nodeaware,mics,mics-zeropp,zeropp,fsdp2-hsdp,\\
+deepspeed-3,deepspeed-mics --worker-args "--model bench --micro 2" \\
+        --json docs/images/multinode.json
 
 Needs root (network namespaces, tc). Examples:
 
@@ -38,7 +51,7 @@ Needs root (network namespaces, tc). Examples:
     python ci/bench/cluster.py --replot docs/images/cluster.json   # redraw the chart only
 
 The table goes to stdout, every number to --json and the chart to --plot (default
-docs/images/cluster.json and .png; ci/bench/plots.py).
+docs/images/cluster.json and .png; ci/bench/plots.py; --plot names the PNG, --json the JSON).
 """
 from __future__ import annotations
 
@@ -77,6 +90,8 @@ def percentile(values: list[float], q: float) -> float:
 def summarize(reports: list[dict], rate_bps: int | None) -> dict:
     """One table row's numbers from every rank's report (see the worker protocol)."""
     world = len(reports)
+    if any(r is None for r in reports):
+        raise ValueError("a rank reported nothing")
     steps = min(len(r["step_times_s"]) for r in reports)
     if steps == 0:
         raise ValueError("the worker reported no timed steps")
@@ -101,27 +116,41 @@ def summarize(reports: list[dict], rate_bps: int | None) -> dict:
             statistics.mean(r["phase_times_s"][name][i] for r in reports) for i in range(steps))
             for name in reports[0]["phase_times_s"]}
             if all(r.get("phase_times_s") for r in reports) else None),
+        "peak_rss_mb_max": (max(r["peak_rss_mb"] for r in reports)
+                            if all(r.get("peak_rss_mb") is not None for r in reports) else None),
     }
     return row
+
+
+def did_not_run(reports: list) -> str | None:
+    """The reason a rank gave for not running the variant (``{"error": ...}``), if any, on
+    one line and without the table's column bars."""
+    for r in reports:
+        if isinstance(r, dict) and r.get("error"):
+            return " ".join(str(r["error"]).split()).replace("|", "/")
+    return None
 
 
 def markdown(rows: list[dict]) -> str:
     """The results as a markdown table (rows in run order)."""
     head = ("| rate | variant | step ms (median) | p10-p90 ms | inter-node MB/rank/step (ledger) "
-            "| link MB/rank/step (veth) | link-bound ms | speed-up | fwd/bwd/opt s |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+            "| link MB/rank/step (veth) | link-bound ms | speed-up | fwd/bwd/opt s "
+            "| peak RSS MB (max rank) |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     base = {}
     for row in rows:
         key = row["rate"]
         if "error" in row:
-            lines.append(f"| {row['rate']} | {row['variant']} | failed: {row['error'][:80]} "
-                         f"| | | | | | |")
+            what = ("did not run: " + row["error"][:300] if row.get("did_not_run")
+                    else "failed: " + row["error"][:80])
+            lines.append(f"| {row['rate']} | {row['variant']} | {what} | | | | | | | |")
             continue
         base.setdefault(key, row["step_s_median"])
         link = row["link_bytes_per_rank_step"]
         bound = row["link_bound_s"]
         ledger = row["ledger_inter_node_bytes_per_rank_step"]
         phases = row.get("phase_s_median")
+        rss = row.get("peak_rss_mb_max")
         lines.append(
             f"| {row['rate']} | {row['variant']} | {row['step_s_median'] * 1e3:.1f} "
             f"| {row['step_s_p10'] * 1e3:.1f}-{row['step_s_p90'] * 1e3:.1f} "
@@ -129,7 +158,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {'n/a' if link is None else f'{link / MB:.2f}'} "
             f"| {'n/a' if bound is None else f'{bound * 1e3:.1f}'} "
             f"| {base[key] / row['step_s_median']:.2f}x "
-            f"| {'n/a' if not phases else '/'.join(f'{v:.2f}' for v in phases.values())} |")
+            f"| {'n/a' if not phases else '/'.join(f'{v:.2f}' for v in phases.values())} "
+            f"| {'n/a' if rss is None else f'{rss:.0f}'} |")
     return "\n".join(lines)
 
 
@@ -159,6 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", default="zc")
     plots.add_arguments(p, "cluster")
     a = p.parse_args(argv)
+    if a.plot and a.plot.endswith(".json"):
+        p.error(f"--plot names the chart (PNG); for the results use --json {a.plot} "
+                f"(the PNG goes next to it)")
     meta = plots.start(a, "cluster", __file__, sys.argv[1:] if argv is None else argv)
 
     rates = [r.strip() for r in a.rates.split(",") if r.strip()]
@@ -194,7 +227,14 @@ def main(argv=None) -> int:
                         results = run_ranks(a.worker, a.ranks_per_node * NUM_NODES,
                                             launcher=a.launcher, args=args,
                                             timeout=a.timeout, cluster=cluster)
-                        row.update(summarize([r.report for r in results], cluster.rate_bps))
+                        reason = did_not_run([r.report for r in results])
+                        if reason is not None:
+                            row.update(error=reason, did_not_run=True)
+                            print(f"# {rate} {variant}: did not run: {reason}",
+                                  file=sys.stderr)
+                        else:
+                            row.update(summarize([r.report for r in results],
+                                                 cluster.rate_bps))
                     except Exception as exc:  # one failing run must not lose the others
                         row["error"] = f"{type(exc).__name__}: {exc}"
                         print(row["error"][-3000:], file=sys.stderr)
@@ -220,7 +260,8 @@ def main(argv=None) -> int:
     print(table)
     print()
     plots.finish(a, "cluster", result, meta)
-    return 1 if any("error" in r for r in rows) else 0
+    # a peer that reported it cannot run here is a row of the table, not a failure
+    return 1 if any("error" in r and not r.get("did_not_run") for r in rows) else 0
 
 
 if __name__ == "__main__":
