@@ -142,3 +142,34 @@ def test_second_hops_start_in_call_order_as_soon_as_their_first_landed():
     hops[2].wait()                 # waiting starts it (after its first hop) and waits
     assert started == [0, 1, 2] and firsts[2].waited and hops[2].second.waited
     assert not queue.pending
+
+
+def test_second_hops_of_serial_backends_start_at_once_and_of_unknown_ones_when_waited():
+    from zero_core.runtime.partition_comm import _HopQueue, hop_mode
+    started = []
+    at_once = _HopQueue("at_once")
+    first = _Landing()
+    hops = at_once.launch(first, lambda: started.append("x") or _Landing())
+    assert started == ["x"] and not at_once.pending     # queued right behind the first
+    hops.wait()
+    assert first.waited and hops.second.waited
+    waited = _HopQueue("when_waited")
+    first = _Landing()
+    hops = waited.launch(first, lambda: started.append("y") or _Landing())
+    first.done = True
+    waited.progress()                                    # landing alone starts nothing
+    assert started == ["x"]
+    hops.wait()
+    assert started == ["x", "y"]
+
+    class Backend:
+        staging = None
+
+        def __init__(self, order):
+            self.collective_order = order
+    assert hop_mode(Backend("per_group")) == "on_landing"
+    assert hop_mode(Backend("global")) == "at_once"
+    assert hop_mode(Backend("unknown")) == "when_waited"
+    staged = Backend("global")
+    staged.staging = object()                            # copies at submission: must wait
+    assert hop_mode(staged) == "when_waited"

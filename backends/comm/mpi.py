@@ -91,6 +91,7 @@ class MpiCommunicator(Communicator):
     """Collectives through mpi4py on CPU tensors (see the module docstring)."""
 
     name = "mpi"
+    collective_order = "global"   # one worker thread runs every collective in order
     device_types = ("cpu",)
     #: all_reduce of at least this many bytes goes as all-to-all + all-gather (the measured
     #: crossover, module docstring)

@@ -101,6 +101,7 @@ class OneCclCommunicator(Communicator):
     name = "oneccl"
     # onecclCommSplit is broken in 2022.2; each group is a new unique id (0.5-1.5 s)
     cheap_groups = False
+    collective_order = "global"   # calls run on one worker thread
     device_types = ("cpu",)
 
     # ---- availability ------------------------------------------------------------------

@@ -280,6 +280,7 @@ class GlooCommunicator(TorchDistCommunicator):
     backend = "gloo"
     device_types = ("cpu",)
     install_hint = "install a torch build with gloo (every Linux/macOS wheel from PyPI has it)"
+    collective_order = "per_group"
     #: False restores gloo's own all_gather / reduce_scatter (for comparisons)
     all_gather_via_p2p: ClassVar[bool] = True
     reduce_scatter_via_all_to_all: ClassVar[bool] = True

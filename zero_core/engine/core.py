@@ -113,8 +113,9 @@ class ZeroEngine(torch.nn.Module):
         # the ranks the stage partitions over (all; MiCS's shard group), as the stage's
         # communicator: runtime/partition_comm.py
         zc = config.zero_optimization
-        self.sharding = build_sharding(self.comm, zc, self.stage,
-                                       uses_qgz=self.stage == 3 and zc.zero_quantized_gradients)
+        self.sharding = build_sharding(
+            self.comm, zc, self.stage, uses_qgz=self.stage == 3 and zc.zero_quantized_gradients,
+            reduces_once_per_step=self.stage == 1 or self.gradient_accumulation_steps == 1)
         self.build_context = BuildContext(
             config=config, comm=self.sharding.comm, world_comm=self.comm,
             accelerator=runtime.accelerator,
@@ -334,7 +335,7 @@ class ZeroEngine(torch.nn.Module):
         """MiCS: sum each rank's reduced gradient partition over its replica group (the
         ranks holding the same partition in the other shard groups), once per step."""
         group = self.sharding.replicas
-        if group is None:
+        if group is None or self.sharding.replicas_in_reduce:
             return
         handles = [self.comm.all_reduce(t, "sum", group=group, async_op=True)
                    for gb in present for t in gb.reduced_grad_tensors()]

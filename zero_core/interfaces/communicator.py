@@ -123,6 +123,14 @@ class Communicator(ABC):
     #: False when every new group costs much (seconds) or is unreliable: the runtime then
     #: keeps to the world group where it can (node-aware collectives fall back to flat ones)
     cheap_groups: ClassVar[bool] = True
+    #: what this backend needs of the order collectives are issued in, across groups:
+    #: "per_group" — each group's collectives in the same order on every rank, groups progress
+    #: independently (gloo: its own threads and connections per group); "global" — every
+    #: collective of every group runs in submission order on one queue, so ranks must issue
+    #: them all in the same order (MPI, oneCCL: one worker thread); "unknown" — assume both
+    #: (the node-aware collectives of runtime/partition_comm.py then start a second hop only
+    #: when it is waited for)
+    collective_order: ClassVar[str] = "unknown"
 
     @classmethod
     @abstractmethod

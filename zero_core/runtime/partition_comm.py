@@ -25,14 +25,22 @@ stages a :class:`PartitionComm` whose ``rank``, ``world_size`` and default group
   against (N-1)·P·b/N for the flat collective on a group spanning nodes, all of it counted
   inter-node by the ledger.
 
-Two-hop progress: a node-aware collective returns a :class:`TwoHops` handle. Its second hop
-starts as soon as its first has landed — checked whenever the partition communicator is
-called or waited on — so a prefetched gather or a reduce-scatter launched during backward
-runs both hops behind compute. Because "has landed" is seen at different moments on
-different ranks, each hop kind has its own group (all-gathers: ``across`` then ``inside``;
-reduce-scatters: ``inside_rs`` then ``across_rs``) and second hops start strictly in call
-order: every rank then issues each group's collectives in the same order, whatever the
-timing, which is what matching collectives requires.
+Two-hop progress: a node-aware collective (and MiCS's reduce-scatter followed by its
+all-reduce across the copies) returns a :class:`TwoHops` handle. When its second hop starts
+depends on what the backend needs of the order of collectives across groups
+(``Communicator.collective_order``):
+
+- ``"per_group"`` (gloo): as soon as the first hop has landed, checked whenever the partition
+  communicator is called or waited on, so a prefetched gather or a reduce-scatter launched
+  during backward runs both hops behind compute. "Landed" is seen at different moments on
+  different ranks, so each hop kind has its own group (all-gathers: ``across`` then
+  ``inside``; reduce-scatters: ``inside_rs`` then ``across_rs``; MiCS: the replica group) and
+  second hops start strictly in call order: each group sees the same sequence on every rank.
+- ``"global"`` (MPI, oneCCL: one worker thread runs every collective in submission order):
+  at once, right behind the first — the worker runs them in that order, the same on every
+  rank — unless tensors are staged through host buffers (their copies happen at submission
+  and completion, so the second hop must wait for the first): then as below.
+- otherwise (NCCL and plugins until measured): when the handle is waited for, in call order.
 
 What is refused, and why: shard sizes that are neither a divisor nor a multiple of the ranks
 per node (a shard group must be whole nodes or lie inside one); MiCS with qgZ or hpZ
@@ -147,6 +155,7 @@ class TwoHops:
 
     def wait(self) -> None:
         self.queue.start_through(self)
+        self.first.wait()            # done already, unless both were started at once
         self.second.wait()
 
     def is_completed(self) -> bool:
@@ -154,20 +163,42 @@ class TwoHops:
         return self.second is not None and self.second.is_completed()
 
 
-class _HopQueue:
-    """Node-aware collectives of one kind whose second hop has not started, in call order."""
+#: when a second hop starts (module docstring): on landing, at once, or when waited for
+HOP_MODES = ("on_landing", "at_once", "when_waited")
 
-    def __init__(self):
+
+def hop_mode(comm: Communicator) -> str:
+    """The second-hop mode *comm*'s collective order allows (module docstring)."""
+    order = getattr(comm, "collective_order", "unknown")
+    if order == "per_group":
+        return "on_landing"
+    if order == "global" and getattr(comm, "staging", None) is None:
+        return "at_once"
+    return "when_waited"
+
+
+class _HopQueue:
+    """Two-hop collectives of one kind whose second hop has not started, in call order."""
+
+    def __init__(self, mode: str = "on_landing"):
+        if mode not in HOP_MODES:
+            raise ValueError(f"second-hop mode {mode!r}: expected one of {HOP_MODES}")
+        self.mode = mode
         self.pending: deque[TwoHops] = deque()
 
     def launch(self, first, start_second) -> TwoHops:
         hops = TwoHops(self, first, start_second)
-        self.pending.append(hops)
+        if self.mode == "at_once":
+            hops.second = start_second()   # the backend runs it right after the first
+        else:
+            self.pending.append(hops)
         return hops
 
     def progress(self) -> None:
-        """Start the second hops whose first hop has landed, oldest first, stopping at the
-        first that has not (later ones must not overtake it)."""
+        """On landing: start the second hops whose first hop has landed, oldest first,
+        stopping at the first that has not (later ones must not overtake it)."""
+        if self.mode != "on_landing":
+            return
         while self.pending and self.pending[0].advance(block=False):
             self.pending.popleft()
 
@@ -183,14 +214,19 @@ class PartitionComm:
     everything else is the underlying communicator's."""
 
     def __init__(self, base: Communicator, plan: PartitionPlan, world: Group,
-                 hops: HopGroups | None = None):
+                 hops: HopGroups | None = None, replicas: Group | None = None):
         self.base, self.plan = base, plan
         self.order = plan.group_of(base.rank)
         self.rank = self.order.index(base.rank)
         self.world_size = len(self.order)
         self.world = world
         self.hops = hops
-        self._gathers, self._reductions = _HopQueue(), _HopQueue()
+        # MiCS, when each accumulation window reduces once: a reduce-scatter's result is
+        # all-reduced over the replica group as its last hop (Sharding.replicas_in_reduce)
+        self.replicas = replicas
+        mode = hop_mode(base)
+        self._gathers, self._reductions, self._replica_sums = (
+            _HopQueue(mode), _HopQueue(mode), _HopQueue(mode))
 
     def __getattr__(self, name):
         # ledger, name, timeout, topology, supports, device_types, staging, new_group, ...
@@ -203,6 +239,7 @@ class PartitionComm:
     def _progress(self) -> None:
         self._gathers.progress()
         self._reductions.progress()
+        self._replica_sums.progress()
 
     def _own(self, group) -> bool:
         return group is None or group is self.world
@@ -224,8 +261,21 @@ class PartitionComm:
                        async_op: bool = False):
         if not self._own(group):
             return self.base.reduce_scatter(output, input, op, group, async_op)
+        if self.replicas is not None:
+            if op != "sum":
+                raise CommError(f"reduce_scatter: op {op!r} over MiCS shard groups whose "
+                                f"results are summed across the copies; use 'sum'")
+            self._progress()
+            inner = self._reduce_scatter_in_group(output, input, op)
+            handle = self._replica_sums.launch(inner, lambda: self.base.all_reduce(
+                output, op, self.replicas, async_op=True))
+            return _finish(handle, async_op)
+        return _finish(self._reduce_scatter_in_group(output, input, op), async_op)
+
+    def _reduce_scatter_in_group(self, output, input, op: str):
+        """The reduce-scatter over the partition group, in flight."""
         if not self.hierarchical:
-            return self.base.reduce_scatter(output, input, op, self.world, async_op)
+            return self.base.reduce_scatter(output, input, op, self.world, async_op=True)
         if op == "avg":
             raise CommError("reduce_scatter: op 'avg' is not supported by the node-aware "
                             "reduce-scatter (its two steps would average twice); use 'sum'")
@@ -237,9 +287,8 @@ class PartitionComm:
         hops = self.hops
         node_sum = output.new_empty(output.numel() * hops.across_rs.size)
         first = self.base.reduce_scatter(node_sum, input, op, hops.inside_rs, async_op=True)
-        handle = self._reductions.launch(first, lambda: self.base.reduce_scatter(
+        return self._reductions.launch(first, lambda: self.base.reduce_scatter(
             output, node_sum, op, hops.across_rs, async_op=True))
-        return _finish(handle, async_op)
 
     def all_reduce(self, tensor, op: str = "sum", group: Group | None = None,
                    async_op: bool = False):
@@ -282,11 +331,14 @@ def _finish(handle, async_op: bool):
 @dataclass(frozen=True)
 class Sharding:
     """What the engine needs to know about its partitioning: the stages' communicator and,
-    with MiCS, the group its gradient partitions are all-reduced over."""
+    with MiCS, the group its gradient partitions are all-reduced over — by the partition
+    communicator's reduce-scatters themselves (``replicas_in_reduce``), or by the engine
+    once per step."""
 
     comm: PartitionComm | Communicator     # the stages' world
     replicas: Group | None                  # MiCS: this rank's replica group, else None
     num_replicas: int
+    replicas_in_reduce: bool = False
 
     @property
     def rank(self) -> int:
@@ -300,10 +352,16 @@ class Sharding:
 _CACHE: dict = {}
 
 
-def build_sharding(comm: Communicator, zero_config, stage: int,
-                   uses_qgz: bool = False) -> Sharding:
+def build_sharding(comm: Communicator, zero_config, stage: int, uses_qgz: bool = False,
+                   reduces_once_per_step: bool = False) -> Sharding:
     """Collective on first use per setting: the partition groups of *zero_config* over
-    *comm* (cached, so that the engine and ``zero_core.Init`` share their groups)."""
+    *comm* (cached, so that the engine and ``zero_core.Init`` share their groups).
+
+    *reduces_once_per_step*: the stage reduce-scatters each gradient once per accumulation
+    window (stage 1, or one micro-step per window). MiCS's all-reduce across the copies then
+    rides as the last hop of each reduce-scatter, overlapping backward; otherwise the
+    engine all-reduces the accumulated partitions once at the step (summing every micro-step
+    across the copies would multiply the inter-node bytes by the accumulation steps)."""
     mics = zero_config.mics_shard_size if stage >= 1 else -1
     node_aware = (zero_config.mics_hierarchical_params_gather if mics > 0
                   else zero_config.node_aware_collectives and stage >= 1)
@@ -318,37 +376,45 @@ def build_sharding(comm: Communicator, zero_config, stage: int,
                         f"used")
     key = (id(comm), mics, node_aware)
     cached = _CACHE.get(key)
-    if cached is not None and cached[0] is comm:
-        return cached[1]
+    if cached is None or cached[0] is not comm:
+        cached = _CACHE[key] = (comm, *_build_groups(comm, zero_config, mics, node_aware))
+    _, plan, world, hops, replicas = cached
+    if world is None:
+        return Sharding(comm, None, 1)
+    in_reduce = replicas is not None and reduces_once_per_step
+    pc = PartitionComm(comm, plan, world, hops, replicas if in_reduce else None)
+    return Sharding(pc, replicas, plan.replicas, in_reduce)
+
+
+def _build_groups(comm: Communicator, zero_config, mics: int, node_aware: bool):
+    """Collective: (plan, partition group, hop groups, replica group); the group is None
+    when the partition is the plain world."""
     topo = comm.topology
     plan = plan_partition(comm.world_size, topo.ranks_per_node, mics, node_aware)
     if mics > 0 and zero_config.mics_hierarchical_params_gather and not plan.hierarchical:
         _log_once(comm, f"mics_hierarchical_params_gather has no effect: each shard group "
                         f"of {mics} ranks lies inside one node ({topo.ranks_per_node} ranks)")
     if plan.replicas == 1 and not plan.hierarchical:
-        sharding = Sharding(comm, None, 1)
-    else:
-        world = (comm.world if plan.replicas == 1
-                 else comm.split([sorted(g) for g in plan.groups], "mics_shard"))
-        hops = None
-        if plan.hierarchical:
-            across, nodes = plan.across_partition(), comm.topology.intra_node_partition()
-            hops = HopGroups(comm.split(across, "gather_across_nodes"),
-                             comm.split(nodes, "gather_inside_node"),
-                             comm.split(nodes, "reduce_inside_node"),
-                             comm.split(across, "reduce_across_nodes"))
-        replicas = (comm.split(plan.replica_partition(), "mics_replica")
-                    if plan.replicas > 1 else None)
-        sharding = Sharding(PartitionComm(comm, plan, world, hops), replicas, plan.replicas)
-        if comm.rank == 0:
-            log.info("partitioning: %s", sharding.comm.describe())
-    _CACHE[key] = (comm, sharding)
-    return sharding
+        return plan, None, None, None
+    world = (comm.world if plan.replicas == 1
+             else comm.split([sorted(g) for g in plan.groups], "mics_shard"))
+    hops = None
+    if plan.hierarchical:
+        across, nodes = plan.across_partition(), topo.intra_node_partition()
+        hops = HopGroups(comm.split(across, "gather_across_nodes"),
+                         comm.split(nodes, "gather_inside_node"),
+                         comm.split(nodes, "reduce_inside_node"),
+                         comm.split(across, "reduce_across_nodes"))
+    replicas = (comm.split(plan.replica_partition(), "mics_replica")
+                if plan.replicas > 1 else None)
+    if comm.rank == 0:
+        log.info("partitioning: %s", PartitionComm(comm, plan, world, hops).describe())
+    return plan, world, hops, replicas
 
 
 def forget(comm: Communicator) -> None:
     """Drop the partition groups built over *comm* (the runtime shuts it down)."""
-    for key in [k for k, (c, _) in _CACHE.items() if c is comm]:
+    for key in [k for k, cached in _CACHE.items() if cached[0] is comm]:
         del _CACHE[key]
 
 
