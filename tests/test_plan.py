@@ -218,7 +218,8 @@ def test_zeropp_sends_at_least_four_times_less_across_nodes():
     lay = plan_memory.layout(spec, 3, 512, "bf16", paper)
     assert lay.kept_for_backward == 0
     m = 2 * lay.padded
-    zero3 = plan_comm.collective_bytes(lay, 3, 512, 8, "bf16")
+    # the paper's ZeRO-3 runs its collectives on the world group (flat), not node-aware
+    zero3 = plan_comm.collective_bytes(lay, 3, 512, 8, "bf16", node_aware=False)
     zeropp = plan_comm.collective_bytes(lay, 3, 512, 8, "bf16", zeropp=True)
     assert zero3["intra"] == 0 and zero3["inter"] == pytest.approx(3 * m, rel=0.01)
     assert 0.5 * m < zeropp["inter"] <= 0.75 * m
@@ -228,10 +229,23 @@ def test_zeropp_sends_at_least_four_times_less_across_nodes():
     # whole model gathered for the backward: two gathers, not three
     whole = plan_memory.layout(spec, 3, 512, "bf16")
     assert whole.regathered == []
-    assert plan_comm.collective_bytes(whole, 3, 512, 8, "bf16")["inter"] == \
+    assert plan_comm.collective_bytes(whole, 3, 512, 8, "bf16", node_aware=False)["inter"] == \
         pytest.approx(2 * m, rel=0.01)
+    # node-aware ZeRO-3 (the engine's default on several nodes) sends (K-1)/(N-1) of that
+    # across nodes, 63/511 on 64 nodes of 8, and the rest inside the node
+    aware = plan_comm.collective_bytes(lay, 3, 512, 8, "bf16")
+    norm = plan_comm.norm_allreduce_bytes(512)
+    assert aware["inter"] - norm == pytest.approx((zero3["inter"] - norm) * 63 / 511)
+    assert aware["intra"] == pytest.approx((zero3["inter"] - norm) * 7 / 8 * 512 / 511)
+    # so at 64 nodes node-aware ZeRO-3 (3·63/512 M) sends less across nodes than ZeRO++
+    # (whose qwZ gather is on the world group) and the plan prefers it; ZeRO++ stays
+    # ahead of every flat configuration
     ranked = planner.plan(spec, cluster)
-    assert planner.recommended(ranked).zeropp
+    best = planner.recommended(ranked)
+    assert best.node_aware and best.comm["inter"] < zeropp["inter"]
+    zpp = next(c for c in ranked if c.zeropp and c.offload == "none")
+    flat = planner.evaluate(spec, cluster, 1, "bf16", 3, node_aware=False)
+    assert flat.label == "stage 3 + flat" and zpp.time["total"] < flat.time["total"]
 
 
 def test_ranking_and_recommended_config_parse():

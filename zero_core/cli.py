@@ -444,7 +444,8 @@ def _cmd_plan(args) -> int:
 def _add_plan_parser(sub) -> None:
     p = sub.add_parser(
         "plan", help="predict memory, communication and step time of every ZeRO configuration",
-        description="For each stage 0-3, with and without offload and (several nodes) ZeRO++: "
+        description="For each stage 0-3, with and without offload and, on several nodes, "
+                    "with node-aware collectives, MiCS (shard = node) and ZeRO++: "
                     "model-state, activation and buffer bytes per rank against capacity, bytes "
                     "per step per link class, predicted step time; ranked, with the best "
                     "configuration as DeepSpeed-style JSON.")

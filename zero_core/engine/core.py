@@ -118,12 +118,11 @@ class ZeroEngine(torch.nn.Module):
             reduces_once_per_step=self.stage == 1 or self.gradient_accumulation_steps == 1)
         self.build_context = BuildContext(
             config=config, comm=self.sharding.comm, world_comm=self.comm,
-            accelerator=runtime.accelerator,
-            kernels=runtime.kernels, device=self.device, rank=self.sharding.rank,
-            world_size=self.sharding.world_size, stage=self.stage,
-            compute_dtype=self.compute_dtype,
-            master_dtype=self.master_dtype, state_dtype=self.state_dtype,
-            memory_ledger=self.memory_ledger, inference_only=self.inference_only)
+            accelerator=runtime.accelerator, kernels=runtime.kernels, device=self.device,
+            rank=self.sharding.rank, world_size=self.sharding.world_size, stage=self.stage,
+            compute_dtype=self.compute_dtype, master_dtype=self.master_dtype,
+            state_dtype=self.state_dtype, memory_ledger=self.memory_ledger,
+            inference_only=self.inference_only)
         self.parts = parts(self.build_context)
         self.parts.prepare_model(model)
         self.parts.build(model, groups)

@@ -10,10 +10,13 @@ One module per job:
 - ``memory.py``    bytes per rank: model states (``zero_core.memory``'s formulas on the
                    engine's own padded layout), offload, hpZ, activations, buffers;
 - ``comm.py``      bytes per rank and step by link class (``zero_core.memory`` and
-                   ``zero_core.zeropp.volume``);
-- ``step_time.py`` predicted step time from those bytes and the cluster's rates;
-- ``planner.py``   the candidates (stage × offload × ZeRO++), their ranking and the
-                   recommended DeepSpeed-style config;
+                   ``zero_core.zeropp.volume``): one node, flat or node-aware collectives
+                   across nodes, MiCS's shard groups and its all-reduce across copies;
+- ``step_time.py`` predicted step time from those bytes and the cluster's rates (never
+                   shorter than its compute or its communication alone);
+- ``planner.py``   the candidates (stage × offload × ZeRO++; node-aware and MiCS(G = ranks
+                   per node) on several nodes), their ranking and the recommended
+                   DeepSpeed-style config;
 - ``render.py``    the text table and the JSON the command prints;
 - ``measure.py``   ``--measure``: a matmul, the disk and collectives timed here
                    (``measure_worker.py`` is the 2-rank collective timer it launches).

@@ -7,6 +7,12 @@ count: the layout comes from the engine's layout code (``plan_group_layout`` at 
 ``plan_units`` + ``unit_layout`` at stage 3 on the model's meta-device shape), so the
 prediction is the memory ledger's figure, padding included, not a re-derivation.
 
+Under MiCS (``mics_shard_size`` G) the model states are partitioned over a shard group of G
+ranks and replicated across the N/G groups, so every figure here (layout and padding, model
+states, offload, buffers) is plain ZeRO's at world size G: the planner passes G as the world
+size (e.g. stage 3 mixed precision: 16Ψ/G instead of 16Ψ/N). Node-aware collectives change
+how partitions travel, not what a rank holds.
+
 Offload (``offload_optimizer`` cpu/nvme) moves the master weights and optimizer states off
 the device, to host memory or to files on disk; at stage 3 ``offload_param`` moves the
 parameter partition too. hpZ keeps a secondary partition of every non-persistent unit,

@@ -6,11 +6,28 @@ Candidates: stages 0–3; at stages 1–3 also with ``offload_optimizer`` to cpu
 ZeRO++ (qwZ + hpZ over the node's ranks + qgZ). ZeRO++ on one node is not offered: qgZ falls
 back to the plain reduce-scatter there and hpZ's partition would be the primary one.
 
+On more than one node (K nodes of L > 1 ranks) the stage 1–3 candidates are the engine's
+default there, node-aware collectives (``node_aware_collectives``: every partition
+all-gather across nodes then inside the node, every reduce-scatter the reverse; labelled
+"node-aware"), and MiCS is offered too at stages 1–3 without offload: ``mics_shard_size``
+G = L, labelled "MiCS(G)" — the model states of plain ZeRO at world size G (the layout,
+padding included, is the engine's at G), gathers and reduce-scatters inside the node, one
+all-reduce of the gradient partition across the N/G copies (``comm.py``). The flat
+collectives across nodes (``node_aware_collectives: false``) are not offered: by the byte
+model they never beat node-aware ones while a rank's intra-node bandwidth is at least its
+inter-node one (node-aware moves (K-1)/(N-1) of the flat inter-node bytes and the rest,
+(L-1)·P·b/L, inside the node); :func:`evaluate` predicts them with ``node_aware=False``.
+Stage 0 (one all-reduce on the world) and ZeRO++ (qgZ has its own two hops) are neither.
+
 A candidate fits when its device bytes per rank (model states left on the device, hpZ,
 activations, buffers) are within the device memory, its host bytes times the ranks of a node
 within the node's host memory (plus the device bytes where devices are host memory), and
 its disk bytes times the ranks of a node within the node's disk. Ranking: candidates that
 fit before those that do not, then by predicted step time, then by device bytes.
+
+The recommended config (:func:`ds_config`) carries what the candidate needs beyond the
+defaults: ``offload_*``, the ZeRO++ keys, ``mics_shard_size`` for MiCS, and
+``node_aware_collectives: false`` only for a flat candidate on several nodes.
 """
 from __future__ import annotations
 
@@ -39,6 +56,8 @@ class Candidate:
     time: dict
     fits: bool
     why_not: list = field(default_factory=list)
+    mics: int = 0                  # MiCS shard size G (0: off)
+    node_aware: bool | None = None  # two-hop partition collectives; None: not applicable
 
     @property
     def label(self) -> str:
@@ -47,24 +66,54 @@ class Candidate:
             parts.append(f"offload {self.offload}")
         if self.zeropp:
             parts.append("ZeRO++")
+        if self.mics:
+            parts.append(f"MiCS({self.mics}{', hierarchical' if self.node_aware else ''})")
+        elif self.node_aware:
+            parts.append("node-aware")
+        elif self.node_aware is False:
+            parts.append("flat")
         return " + ".join(parts)
 
 
 def _options(cluster: Cluster):
+    """(stage, offload, zeropp, mics) of every candidate (module docstring)."""
+    several = cluster.nodes > 1 and cluster.ranks_per_node > 1
     for stage in range(4):
         for offload in plan_memory.OFFLOAD if stage else ("none",):
-            yield stage, offload, False
+            yield stage, offload, False, 0
             if stage == 3 and cluster.nodes > 1:
-                yield stage, offload, True
+                yield stage, offload, True, 0
+        if stage and several:
+            yield stage, "none", False, cluster.ranks_per_node
+
+
+def _node_aware(cluster: Cluster, stage: int, zeropp: bool, mics: int,
+                node_aware: bool | None) -> bool | None:
+    """Whether the candidate's partition collectives run in two hops: None where the
+    choice does not exist (one node, one rank per node, stage 0, ZeRO++'s qgZ, a MiCS shard
+    group inside one node)."""
+    if stage == 0 or zeropp or cluster.nodes == 1 or cluster.ranks_per_node == 1:
+        return None
+    if mics and mics <= cluster.ranks_per_node:
+        return None
+    if mics:   # mics_hierarchical_params_gather, off by default
+        return bool(node_aware)
+    return True if node_aware is None else bool(node_aware)
 
 
 def evaluate(spec: ModelSpec, cluster: Cluster, micro_batch: int, precision: str,
              stage: int, offload: str = "none", zeropp: bool = False,
              checkpointing: bool = False, flash_attention: bool = False,
-             sizes: plan_memory.ZeroSizes | None = None, layout=None) -> Candidate:
-    """Predict one configuration (see the module docstring for *fits*)."""
+             sizes: plan_memory.ZeroSizes | None = None, layout=None, *, mics: int = 0,
+             node_aware: bool | None = None) -> Candidate:
+    """Predict one configuration (see the module docstring for *fits*). *mics*: MiCS's
+    shard size G (0 or -1: off); *node_aware*: the partition collectives on several nodes
+    (None: the engine's default, node-aware; False: flat). *layout*: the engine's layout at
+    the partition's world size (G under MiCS), built when not given."""
     sizes = sizes or plan_memory.default_sizes()
-    n = cluster.ranks
+    mics = mics if mics and mics > 0 and stage >= 1 else 0
+    hops = _node_aware(cluster, stage, zeropp, mics, node_aware)
+    n = mics or cluster.ranks          # the world the model states are partitioned over
     lay = layout or plan_memory.layout(spec, stage, n, precision, sizes)
     states = plan_memory.model_states(stage, lay.padded, n, precision)
     where = plan_memory.placement(states, stage, offload, lay.padded / n, precision, sizes)
@@ -84,8 +133,9 @@ def evaluate(spec: ModelSpec, cluster: Cluster, micro_batch: int, precision: str
         why.append(f"host {host_node / 1e9:.3g} GB per node > {cluster.host_memory / 1e9:.3g} GB")
     if disk_node > cluster.disk:
         why.append(f"disk {disk_node / 1e9:.3g} GB per node > {cluster.disk / 1e9:.3g} GB")
-    collectives = plan_comm.collective_bytes(lay, stage, n, cluster.ranks_per_node, precision,
-                                             zeropp)
+    collectives = plan_comm.collective_bytes(lay, stage, cluster.ranks,
+                                             cluster.ranks_per_node, precision, zeropp,
+                                             node_aware=hops is not False, mics=mics)
     moved = plan_comm.offload_bytes(lay, states, n, precision, offload, stage)
     tokens = micro_batch * spec.seq
     stepped = lay.padded if stage == 0 else lay.padded / n
@@ -97,7 +147,7 @@ def evaluate(spec: ModelSpec, cluster: Cluster, micro_batch: int, precision: str
               "activations": acts, "buffers": bufs, "device_total": device,
               "host_per_node": host_node, "disk_per_node": disk_node}
     return Candidate(stage, offload, zeropp, memory, {**collectives, **moved}, times,
-                     not why, why)
+                     not why, why, mics, hops)
 
 
 def plan(spec: ModelSpec, cluster: Cluster, micro_batch: int = 1, precision: str = "bf16",
@@ -111,11 +161,12 @@ def plan(spec: ModelSpec, cluster: Cluster, micro_batch: int = 1, precision: str
     sizes = sizes or plan_memory.default_sizes()
     layouts = {}
     out = []
-    for stage, offload, zeropp in _options(cluster):
-        if stage not in layouts:
-            layouts[stage] = plan_memory.layout(spec, stage, cluster.ranks, precision, sizes)
+    for stage, offload, zeropp, mics in _options(cluster):
+        key = (stage, mics or cluster.ranks)
+        if key not in layouts:
+            layouts[key] = plan_memory.layout(spec, stage, key[1], precision, sizes)
         out.append(evaluate(spec, cluster, micro_batch, precision, stage, offload, zeropp,
-                            checkpointing, flash_attention, sizes, layouts[stage]))
+                            checkpointing, flash_attention, sizes, layouts[key], mics=mics))
     return sorted(out, key=lambda c: (not c.fits, c.time["total"], c.memory["device_total"]))
 
 
@@ -135,6 +186,12 @@ def ds_config(c: Candidate, micro_batch: int, precision: str, ranks_per_node: in
     if c.zeropp:
         zero.update(zero_quantized_weights=True, zero_hpz_partition_size=ranks_per_node,
                     zero_quantized_gradients=True)
+    if c.mics:
+        zero["mics_shard_size"] = c.mics
+        if c.node_aware:   # a shard group of whole nodes, gathered node-aware
+            zero["mics_hierarchical_params_gather"] = True
+    elif c.node_aware is False:
+        zero["node_aware_collectives"] = False
     config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
               "zero_optimization": zero}

@@ -1,5 +1,13 @@
 """What ``zero-core plan`` prints: the ranked table and recommended config (text), or all of
-it as one JSON document (``--json``)."""
+it as one JSON document (``--json``).
+
+A candidate's configuration reads "stage S [+ offload D] [+ ZeRO++] [+ node-aware |
++ MiCS(G) | + flat]": "node-aware" is the engine's default on several nodes (two-hop partition
+collectives), "MiCS(G)" the model states sharded over G ranks and replicated across the
+N/G groups (``mics_shard_size``), "flat" the world-group collectives across nodes
+(``node_aware_collectives: false``). In the JSON each candidate also says
+``mics_shard_size`` (0: off) and ``node_aware`` (null where it does not apply).
+The intra/inter columns are bytes one rank sends per step, by link class (``comm.py``)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +15,10 @@ import json
 from zero_core.plan.cluster import Cluster
 from zero_core.plan.model import ModelSpec
 from zero_core.plan.planner import Candidate, ds_config, recommended
+
+
+#: the configuration column ("stage 3 + offload nvme + node-aware" and a space)
+WIDTH = 37
 
 
 def _gb(nbytes: float) -> str:
@@ -23,7 +35,8 @@ def as_json(spec: ModelSpec, cluster: Cluster, candidates: list[Candidate], micr
     return {"model": spec.describe(), "cluster": cluster.describe(),
             "micro_batch": micro_batch, "precision": precision,
             "candidates": [{"config": c.label, "stage": c.stage, "offload": c.offload,
-                            "zeropp": c.zeropp, "fits": c.fits, "why_not": c.why_not,
+                            "zeropp": c.zeropp, "mics_shard_size": c.mics,
+                            "node_aware": c.node_aware, "fits": c.fits, "why_not": c.why_not,
                             "memory": c.memory, "comm": c.comm, "time": c.time}
                            for c in candidates],
             "recommended": None if best is None else
@@ -40,11 +53,11 @@ def as_text(spec: ModelSpec, cluster: Cluster, candidates: list[Candidate], micr
              f"{_gb(cluster.device_memory)} GB device memory per rank, "
              f"{cluster.flops * cluster.efficiency / 1e12:.3g} TFLOP/s per rank used",
              f"run     micro-batch {micro_batch} per rank, {precision}, Adam", "",
-             f"{'#':>2}  {'configuration':<34}{'fits':<5}{'device GB':>10}{'states GB':>10}"
+             f"{'#':>2}  {'configuration':<{WIDTH}}{'fits':<5}{'device GB':>10}{'states GB':>10}"
              f"{'act GB':>8}{'host GB':>9}{'intra MB':>10}{'inter MB':>10}{'step':>11}"]
     for i, c in enumerate(candidates, 1):
         m = c.memory
-        lines.append(f"{i:>2}  {c.label:<34}{'yes' if c.fits else 'no':<5}"
+        lines.append(f"{i:>2}  {c.label:<{WIDTH}}{'yes' if c.fits else 'no':<5}"
                      f"{_gb(m['device_total']):>10}{_gb(m['device_model_states']):>10}"
                      f"{_gb(m['activations']['total']):>8}{_gb(m['host']):>9}"
                      f"{c.comm['intra'] / 1e6:>10.4g}{c.comm['inter'] / 1e6:>10.4g}"
@@ -68,10 +81,10 @@ def as_text(spec: ModelSpec, cluster: Cluster, candidates: list[Candidate], micr
             lines.append("(set offload nvme_path to a directory on a fast local disk)")
     if extrapolation:
         lines += ["", f"the same model on {cluster.name}'s hardware at more ranks:",
-                  f"{'ranks':>6}  {'best configuration':<34}{'fits':<5}{'device GB':>10}"
+                  f"{'ranks':>6}  {'best configuration':<{WIDTH}}{'fits':<5}{'device GB':>10}"
                   f"{'inter MB':>10}{'step':>11}"]
         for row in extrapolation:
-            lines.append(f"{row['ranks']:>6}  {row['config']:<34}"
+            lines.append(f"{row['ranks']:>6}  {row['config']:<{WIDTH}}"
                          f"{'yes' if row['fits'] else 'no':<5}{_gb(row['device_bytes']):>10}"
                          f"{row['inter_bytes'] / 1e6:>10.4g}{_seconds(row['step_s']):>11}")
     return "\n".join(lines) + "\n"

@@ -27,10 +27,12 @@ from typing import Iterator
 
 import torch
 
-#: attributes not walked: the process-wide runtime (its own tests cover it), the config,
-#: and back references to the engine from its parts
-_SKIP_ATTRS = frozenset({"runtime", "config", "engine", "_engine", "comm", "accelerator",
-                         "ledger", "memory_ledger", "lr_scheduler", "cfg"})
+#: attributes not walked: the process-wide runtime and its communicators (their own tests
+#: cover them; staging buffers are host memory by design), the config, and back references
+#: to the engine from its parts
+_SKIP_ATTRS = frozenset({"runtime", "config", "engine", "_engine", "comm", "world_comm",
+                         "sharding", "accelerator", "ledger", "memory_ledger", "lr_scheduler",
+                         "cfg"})
 _LEAVES = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device,
            torch.Size, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
            types.ModuleType, type)
