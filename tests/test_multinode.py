@@ -46,13 +46,14 @@ PLANS = {
     "mpirun": "stage3_node_aware,stage3_mics,stage1_mics,collectives",
 }
 _CACHE: dict = {}
+_CHECKPOINTS: dict = {}
 
 
 def launch(launcher: str, tmp_path_factory) -> list[dict]:
     if launcher == "mpirun" and mpirun_path() is None:
         pytest.skip("mpirun not installed: pip install 'zero-core[mpi]'")
     if launcher not in _CACHE:
-        tmp = str(tmp_path_factory.mktemp("multinode"))
+        tmp = _CHECKPOINTS[launcher] = str(tmp_path_factory.mktemp("multinode"))
         res = run_ranks(WORKER, N, launcher, args=[PLANS[launcher], tmp], timeout=900,
                         env={"ZERO_CORE_RANKS_PER_NODE": str(L),
                              "ZERO_CORE_COMM": COMM[launcher]})
@@ -141,3 +142,13 @@ def test_checkpoints_reshard_between_mics_and_plain(tmp_path_factory):
                              "to_mics3": 0.0, "plain_to_mics": 0.0}
     written = rep["fragments_per_rank"]
     assert all(n > 0 for n in written[:G]) and written[G:] == [0] * (N - G)
+
+
+def test_a_mics_checkpoint_loads_at_another_world_size(tmp_path_factory):
+    """The 4-rank MiCS save, on 2 ranks: into plain stage 3 and into MiCS with one rank
+    per copy (shard size 1: every rank holds everything), with the saved values exactly."""
+    launch("torchrun", tmp_path_factory)
+    res = run_ranks(WORKER, 2, "torchrun", args=["load_elsewhere", _CHECKPOINTS["torchrun"]],
+                    timeout=300, env={"ZERO_CORE_RANKS_PER_NODE": "1", "ZERO_CORE_COMM": "gloo"})
+    for r in res:
+        assert r.report["load_elsewhere"] == {"plain3": 0.0, "mics1": 0.0}

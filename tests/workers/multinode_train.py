@@ -104,6 +104,8 @@ def checkpoint(tmp: str) -> dict:
     saved = values(model)
     engine.save_checkpoint(tmp, tag="mics")
     engine.destroy()
+    if engine.global_rank == 0:   # for the launch at another world size (load_elsewhere)
+        torch.save(saved, os.path.join(tmp, "mics_values.pt"))
     with open(os.path.join(tmp, "mics", "metadata.json")) as f:
         index = json.load(f)["ranks"]
     fragments_per_rank = [len(r["fragments"]) for r in index]
@@ -170,6 +172,25 @@ def collectives() -> dict:
     return out
 
 
+def load_elsewhere(tmp: str) -> dict:
+    """At another world size: the 4-rank MiCS checkpoint of :func:`checkpoint` into plain
+    stage 3 and into MiCS with one rank per copy; the largest difference from the values it
+    saved, per target."""
+    saved = torch.load(os.path.join(tmp, "mics_values.pt"))
+    out = {}
+    for name, zero in (("plain3", {}), ("mics1", {"mics_shard_size": 1})):
+        cfg = stage3_train.stage3_config("fp32", 1, **zero)
+        model = stage3_train.make_model(11)
+        zero_core.register_external_parameter(model, model.mix.weight)
+        engine, _, _, _ = zero_core.initialize(model=model, config=cfg,
+                                               model_parameters=stage3_train.groups_of(model))
+        engine.load_checkpoint(tmp, tag="mics")
+        got = stage3_train.full_params(model)
+        out[name] = max(float((a - b).abs().max()) for a, b in zip(got, saved))
+        engine.destroy()
+    return out
+
+
 SCENARIOS = {
     "collectives": collectives,
     "stage3_node_aware": lambda: stage3(),
@@ -199,7 +220,10 @@ SCENARIOS = {
 def main():
     out = {}
     for name in sys.argv[1].split(","):
-        out[name] = checkpoint(sys.argv[2]) if name == "checkpoint" else SCENARIOS[name]()
+        if name in ("checkpoint", "load_elsewhere"):
+            out[name] = globals()[name](sys.argv[2])
+        else:
+            out[name] = SCENARIOS[name]()
     report(out)
     zero_core.runtime.context.shutdown()
 
