@@ -58,7 +58,6 @@ import datetime
 import os
 import resource
 import sys
-import time
 
 import torch
 
@@ -67,9 +66,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "examples"))
 
 from gpt import GPTConfig  # noqa: E402
-from text_data import GlobalBatchSampler, load_stdlib_text  # noqa: E402
-from zeropp_engine import (DeepSpeedRun, build_model, engine_config,  # noqa: E402
-                           link_tx_bytes, lm_loss)
+from zeropp_engine import DeepSpeedRun, build_model, engine_config, time_steps  # noqa: E402
 
 from zero_core.testing.ranks import report  # noqa: E402
 
@@ -250,44 +247,8 @@ def setup(a, ranks_per_node: int):
 
 
 def train(a, engine, comm, barrier) -> dict:
-    """Warm-up, then timed steps; the report's numbers (zeropp_engine's timing loop)."""
-    tokens = load_stdlib_text(max_bytes=4 << 20).train
-    sampler = GlobalBatchSampler(tokens, a.seq or GPTConfig.preset(a.model).block_size, a.micro,
-                                 engine.world_size, seed=0)
-    phases = {"forward": [], "backward": [], "step": []}
-
-    def step(i: int) -> float:
-        x, y = sampler.rank_batch(i, engine.global_rank)
-        t0 = time.perf_counter()
-        loss = lm_loss(engine(x), y)
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        t2 = time.perf_counter()
-        engine.step()
-        t3 = time.perf_counter()
-        if i >= a.warmup:
-            for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
-                phases[name].append(seconds)
-        return float(loss)
-
-    losses = [step(i) for i in range(a.warmup)]
-    barrier()
-    ledger0 = comm.ledger.snapshot() if comm is not None else None
-    link0 = link_tx_bytes()
-    times = []
-    for i in range(a.warmup, a.warmup + a.steps):
-        barrier()
-        start = time.perf_counter()
-        losses.append(step(i))
-        times.append(time.perf_counter() - start)
-    barrier()
-    link1 = link_tx_bytes()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return {"step_times_s": times, "phase_times_s": phases, "losses": losses,
-            "ledger": (comm.ledger.difference(comm.ledger.snapshot(), ledger0)
-                       if comm is not None else None),
-            "link_tx_bytes": (link1 - link0 if link0 is not None and link1 is not None
-                              and local_rank == 0 else None)}
+    """Warm-up, then timed steps; the report's numbers (zeropp_engine.time_steps)."""
+    return time_steps(engine, a, a.seq or GPTConfig.preset(a.model).block_size, comm, barrier)
 
 
 def leave(engine, comm) -> None:

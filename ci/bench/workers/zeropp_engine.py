@@ -96,6 +96,49 @@ class DeepSpeedRun:
         self.dist.barrier()
 
 
+def time_steps(engine, a, seq: int, comm, barrier) -> dict:
+    """``a.warmup`` untimed steps, then ``a.steps`` timed ones, each started after a barrier
+    (so a step's time is the slowest rank's), on the demo's text: the protocol's numbers —
+    step and phase times, losses, zero-core's ledger difference (*comm* None: a peer without
+    one) and the node's veth bytes on local rank 0."""
+    tokens = load_stdlib_text(max_bytes=4 << 20).train
+    sampler = GlobalBatchSampler(tokens, seq, a.micro, engine.world_size, seed=0)
+    phases = {"forward": [], "backward": [], "step": []}   # seconds per timed step
+
+    def step(i: int) -> float:
+        x, y = sampler.rank_batch(i, engine.global_rank)
+        t0 = time.perf_counter()
+        loss = lm_loss(engine(x), y)
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        t2 = time.perf_counter()
+        engine.step()
+        t3 = time.perf_counter()
+        if i >= a.warmup:
+            for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+                phases[name].append(seconds)
+        return float(loss)
+
+    losses = [step(i) for i in range(a.warmup)]
+    barrier()
+    ledger0 = comm.ledger.snapshot() if comm is not None else None
+    link0 = link_tx_bytes()
+    times = []
+    for i in range(a.warmup, a.warmup + a.steps):
+        barrier()
+        start = time.perf_counter()
+        losses.append(step(i))
+        times.append(time.perf_counter() - start)
+    barrier()
+    link1 = link_tx_bytes()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return {"step_times_s": times, "phase_times_s": phases, "losses": losses,
+            "ledger": (comm.ledger.difference(comm.ledger.snapshot(), ledger0)
+                       if comm is not None else None),
+            "link_tx_bytes": (link1 - link0 if link0 is not None and link1 is not None
+                              and local_rank == 0 else None)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", choices=VARIANTS, required=True)
@@ -129,47 +172,10 @@ def main() -> None:
                                           config=engine_config(a.variant, a, ranks_per_node))
         comm = engine.comm
         barrier = comm.barrier
-    tokens = load_stdlib_text(max_bytes=4 << 20).train
-    seq = a.seq or model.cfg.block_size
-    sampler = GlobalBatchSampler(tokens, seq, a.micro, engine.world_size, seed=0)
-
-    phases = {"forward": [], "backward": [], "step": []}   # seconds per timed step
-
-    def step(i: int) -> float:
-        x, y = sampler.rank_batch(i, engine.global_rank)
-        t0 = time.perf_counter()
-        loss = lm_loss(engine(x), y)
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        t2 = time.perf_counter()
-        engine.step()
-        t3 = time.perf_counter()
-        if i >= a.warmup:
-            for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
-                phases[name].append(seconds)
-        return float(loss)
-
-    losses = [step(i) for i in range(a.warmup)]
-    barrier()
-    ledger0 = comm.ledger.snapshot() if comm is not None else None
-    link0 = link_tx_bytes()
-    times = []
-    for i in range(a.warmup, a.warmup + a.steps):
-        barrier()
-        start = time.perf_counter()
-        losses.append(step(i))
-        times.append(time.perf_counter() - start)
-    barrier()
-    link1 = link_tx_bytes()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    timed = time_steps(engine, a, a.seq or model.cfg.block_size, comm, barrier)
     report({"rank": engine.global_rank, "variant": a.variant, "model": a.model,
             "params": engine.num_parameters, "world_size": engine.world_size,
-            "ranks_per_node": ranks_per_node, "step_times_s": times, "phase_times_s": phases,
-            "ledger": (comm.ledger.difference(comm.ledger.snapshot(), ledger0)
-                       if comm is not None else None),
-            "link_tx_bytes": (link1 - link0 if link0 is not None and link1 is not None
-                              and local_rank == 0 else None),
-            "losses": losses,
+            "ranks_per_node": ranks_per_node, **timed,
             "zeropp": engine.memory_report().get("zeropp") if comm is not None else None})
     if comm is not None:
         engine.destroy()
