@@ -66,7 +66,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "examples"))
 
 from gpt import GPTConfig  # noqa: E402
-from zeropp_engine import DeepSpeedRun, build_model, engine_config, time_steps  # noqa: E402
+from zeropp_engine import (DeepSpeedRun, add_training_args, build_model,  # noqa: E402
+                           engine_config, time_steps)
 
 from zero_core.testing.ranks import report  # noqa: E402
 
@@ -83,22 +84,12 @@ class PeerUnavailable(RuntimeError):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", choices=VARIANTS, required=True)
-    p.add_argument("--model", default="bench", help="examples/gpt.py preset (default bench)")
-    p.add_argument("--micro", type=int, default=2, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=None,
-                   help="tokens per sequence (default: the model's context length)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--max-reuse", type=int, default=0, help="stage3_max_reuse_distance")
-    p.add_argument("--persistence", type=int, default=100_000,
-                   help="stage3_param_persistence_threshold")
-    p.add_argument("--max-live", type=int, default=10**9, help="stage3_max_live_parameters")
+    add_training_args(p)
     p.add_argument("--mics-hierarchical", action="store_true",
                    help="mics_hierarchical_params_gather: true (mics, mics-zeropp, "
                         "deepspeed-mics)")
     p.add_argument("--fsdp-reduce-dtype", choices=sorted(DTYPES), default="bf16",
                    help="fsdp2-hsdp's MixedPrecisionPolicy.reduce_dtype (default bf16)")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
     return p.parse_args(argv)
 
 

@@ -139,9 +139,9 @@ def time_steps(engine, a, seq: int, comm, barrier) -> dict:
                               and local_rank == 0 else None)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variant", choices=VARIANTS, required=True)
+def add_training_args(p: argparse.ArgumentParser) -> None:
+    """The model, batch, stage-3 and timing options every engine worker on the cluster shares
+    (ci/bench/workers/multinode_engine.py too)."""
     p.add_argument("--model", default="bench", help="examples/gpt.py preset (default bench)")
     p.add_argument("--micro", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=None,
@@ -152,9 +152,15 @@ def main() -> None:
                    help="stage3_param_persistence_threshold")
     p.add_argument("--max-live", type=int, default=10**9,
                    help="stage3_max_live_parameters (elements gathered at once; below the "
-                        "model's size both engines must release and gather again)")
+                        "model's size every engine must release and gather again)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    add_training_args(p)
     a = p.parse_args()
 
     ranks_per_node = int(os.environ.get("ZERO_CORE_RANKS_PER_NODE") or
