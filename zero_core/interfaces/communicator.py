@@ -165,6 +165,7 @@ class Communicator(ABC):
         self.world_size = launch.world_size
         self.ledger = CommLedger()
         self._groups: dict[str, Group] = {}
+        self._made: list[Group] = []   # every group new_group returned (release_groups)
         self._group_counter = 0  # before _init_world: a backend may make groups there
         self.staging: Staging | None = None
         self.world: Group = self._init_world()
@@ -212,6 +213,15 @@ class Communicator(ABC):
     def shutdown(self) -> None:
         """Release backend resources. Safe to call twice."""
 
+    def release_groups(self) -> None:
+        """After :meth:`shutdown`: drop the backend's group objects held by this
+        communicator's groups, so that they are destroyed now, while the interpreter is
+        whole. Left to interpreter finalization, a gloo group's worker threads can abort the
+        process at exit ("terminate called without an active exception")."""
+        for group in (self.world, *self._made):
+            group.handle = None
+        self._groups.clear()
+
     # ---- groups ----------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int], name: str | None = None) -> Group:
         """Collective over the world: a group of *ranks* (global). Every rank calls it."""
@@ -223,7 +233,9 @@ class Communicator(ABC):
         name = name or f"group{self._group_counter}:{','.join(map(str, ranks))}"
         handle = self._new_group(ranks, name)
         rank = ranks.index(self.rank) if self.rank in ranks else -1
-        return Group(name, ranks, rank, self.topology.spans_nodes(ranks), handle)
+        group = Group(name, ranks, rank, self.topology.spans_nodes(ranks), handle)
+        self._made.append(group)
+        return group
 
     def split(self, partition: Sequence[Sequence[int]], name: str) -> Group:
         """Collective over the world: create one group per list in *partition* (which must

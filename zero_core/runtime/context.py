@@ -17,6 +17,7 @@ multi-rank job is printed once, by the first rank to raise it.
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -127,9 +128,14 @@ def shutdown() -> None:
             dist.barrier()
         except Exception:  # a dead peer: nothing left to synchronize with
             pass
+    comm = None
     if _RUNTIME is not None:
-        forget_partition_groups(_RUNTIME.comm)
-        _RUNTIME.comm.shutdown()
+        comm = _RUNTIME.comm
+        forget_partition_groups(comm)
+        comm.shutdown()
         _RUNTIME = None
     if dist.is_initialized():
         dist.destroy_process_group()
+    if comm is not None:
+        comm.release_groups()
+        gc.collect()   # the process groups go now, not during interpreter finalization
