@@ -23,6 +23,14 @@ def _fail(path: str, value: Any, expected: str) -> ConfigError:
     return ConfigError(f"config key '{path}' = {value!r}: {expected}")
 
 
+def _require_divisor(path: str, value: int, world_size: int, hint: str) -> None:
+    """Raise unless *value* divides *world_size*, listing the divisors (and *hint*)."""
+    if world_size % value:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise _fail(path, value, f"must divide the world size {world_size} (valid: "
+                                 f"{', '.join(map(str, divisors))}{hint})")
+
+
 def _refuse_auto(path: str, value: Any) -> None:
     if isinstance(value, str) and value.strip().lower() == "auto":
         raise _fail(path, value, "'auto' is a Hugging Face Trainer placeholder that the Trainer "

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zero_core.config.checks import (_as_bool, _as_float, _as_int, _as_name, _fail, _optional,
-                                     _refuse_auto, _Section, _suggest)
+                                     _refuse_auto, _require_divisor, _Section, _suggest)
 from zero_core.config.keys import (_OPTIMIZERS_NOT_YET, _SCHEDULERS_NOT_YET, MAX_ZERO_STAGE,
                                    OPTIMIZER_TYPES, SCHEDULER_TYPES)
 from zero_core.config.monitors import parse_monitors
@@ -335,11 +335,9 @@ def _parse_safety(raw: Any, precision: str, bf16: BF16Config) -> SafetyConfig:
 def _parse_topology(raw: Any, world_size: int) -> TopologyConfig:
     s = _Section(raw, "topology", "topology")
     rpn = s.get("ranks_per_node", None, _optional(_as_int), 1)
-    if rpn is not None and world_size % rpn:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise _fail("topology.ranks_per_node", rpn,
-                    f"must divide the world size {world_size} (valid: "
-                    f"{', '.join(map(str, divisors))}, or null for what the launcher reports)")
+    if rpn is not None:
+        _require_divisor("topology.ranks_per_node", rpn, world_size,
+                         ", or null for what the launcher reports")
     return TopologyConfig(ranks_per_node=rpn)
 
 

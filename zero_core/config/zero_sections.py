@@ -5,7 +5,9 @@ hpZ, qgZ) and many nodes (MiCS's ``mics_shard_size`` and ``mics_hierarchical_par
 """
 from __future__ import annotations
 
-from zero_core.config.checks import _as_bool, _as_int, _fail
+from zero_core.config.checks import _as_bool, _as_int, _fail, _require_divisor
+
+NORMALLY_A_NODE = "; normally the ranks per node"
 
 _ZEROPP_NAMES = {
     "zero_quantized_weights": "qwZ (quantized weight all-gathers)",
@@ -32,12 +34,8 @@ def parse_zeropp(s, stage: int, world_size: int) -> dict:
                         f"ZeRO++ {_ZEROPP_NAMES[key]} works on stage 3's partitioned parameters; "
                         f"set zero_optimization.stage to 3 to use it — at stage {stage} only "
                         f"{str(off.get(key, False)).lower()} (the feature off) is accepted")
-    hpz = values["zero_hpz_partition_size"]
-    if world_size % hpz:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise _fail("zero_optimization.zero_hpz_partition_size", hpz,
-                    f"must divide the world size {world_size} (valid: "
-                    f"{', '.join(map(str, divisors))}; normally the ranks per node)")
+    _require_divisor("zero_optimization.zero_hpz_partition_size",
+                     values["zero_hpz_partition_size"], world_size, NORMALLY_A_NODE)
     return values
 
 
@@ -63,10 +61,7 @@ def parse_many_nodes(s, stage: int, world_size: int, zeropp: dict) -> dict:
     if stage < 1:
         raise _fail(path, shard, "MiCS shards the partitioned model states, and stage 0 "
                                  "partitions nothing; set zero_optimization.stage to 1, 2 or 3")
-    if world_size % shard:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise _fail(path, shard, f"must divide the world size {world_size} (valid: "
-                                 f"{', '.join(map(str, divisors))}; normally the ranks per node)")
+    _require_divisor(path, shard, world_size, NORMALLY_A_NODE)
     if zeropp["zero_quantized_gradients"]:
         raise _fail(path, shard, "ZeRO++ qgZ (zero_quantized_gradients) reduces over every "
                                  "rank in two hops (inside the node, then across nodes), while "

@@ -374,11 +374,10 @@ def build_sharding(comm: Communicator, zero_config, stage: int, uses_qgz: bool =
         _log_once(comm, f"node-aware collectives are off: creating the groups they need is "
                         f"costly on the {comm.name} communicator; its flat collectives are "
                         f"used")
-    key = (id(comm), mics, node_aware)
-    cached = _CACHE.get(key)
-    if cached is None or cached[0] is not comm:
-        cached = _CACHE[key] = (comm, *_build_groups(comm, zero_config, mics, node_aware))
-    _, plan, world, hops, replicas = cached
+    key = (comm, mics, node_aware)      # communicators hash by identity
+    if key not in _CACHE:
+        _CACHE[key] = _build_groups(comm, zero_config, mics, node_aware)
+    plan, world, hops, replicas = _CACHE[key]
     if world is None:
         return Sharding(comm, None, 1)
     in_reduce = replicas is not None and reduces_once_per_step
@@ -414,7 +413,7 @@ def _build_groups(comm: Communicator, zero_config, mics: int, node_aware: bool):
 
 def forget(comm: Communicator) -> None:
     """Drop the partition groups built over *comm* (the runtime shuts it down)."""
-    for key in [k for k, cached in _CACHE.items() if cached[0] is comm]:
+    for key in [k for k in _CACHE if k[0] is comm]:
         del _CACHE[key]
 
 
