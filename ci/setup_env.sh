@@ -25,7 +25,7 @@ fi
 _stamp="$_venv/.zero_core_setup_stamp"
 _vdev="$_repo/examples/vdev"
 _want="$(cat "$_repo/pyproject.toml" "$_repo/ci/setup_env.sh" "$_vdev/pyproject.toml" "$_vdev/setup.py" \
-         "$_vdev/csrc/vdev.cpp" | sha256sum | cut -c1-16)-$_extras"
+         "$_vdev"/csrc/* | sha256sum | cut -c1-16)-$_extras"
 if [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_want" ]; then
     # pip's and the build backends' chatter (deprecation notices, "Location ... ignored")
     # goes to a log: the first run prints only these [setup] lines, and the log's tail

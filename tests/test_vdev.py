@@ -189,3 +189,96 @@ def test_asking_for_vdev_without_the_plugin_says_how_to_install_it():
             reg.accelerator_class("vdev")
     finally:
         reg.accelerators["vdev"] = saved
+
+
+# ---- synchronizations, streams and the asynchronous mode (csrc/streams.h) -----------------
+@pytest.fixture
+def async_vdev():
+    """vdev:3 as the current device, asynchronous mode on, counters zeroed; restored after."""
+    was = torch.vdev.is_async()
+    torch.vdev.set_async(True)
+    with torch.vdev.device(3):
+        torch.vdev.reset_transfer_stats(3)
+        yield torch.device("vdev", 3)
+    torch.vdev.set_async(was)
+    torch.vdev.set_sync_debug_mode("default")
+
+
+def test_synchronizations_are_counted_by_kind_as_cuda_reports_them(async_vdev):
+    d = torch.arange(4.0).to(async_vdev)                 # blocking host-to-device copy
+    _ = d.cpu()                                          # blocking device-to-host copy
+    _ = float(d.sum())                                   # host read of a device value
+    torch.vdev.synchronize(3)                            # device wait
+    pinned = torch.empty(4).pin_memory()
+    pinned.copy_(d, non_blocking=True)                   # not a synchronization
+    d.copy_(pinned, non_blocking=True)                   # not one either
+    (d * 2).sum()                                        # device work: nothing
+    assert torch.vdev.sync_stats(3) == {"copies": 2, "reads": 1, "waits": 1, "total": 4}
+
+
+def test_sync_debug_mode_error_names_the_operation(async_vdev):
+    d = torch.ones(3, device=async_vdev)
+    torch.vdev.set_sync_debug_mode("error")
+    with pytest.raises(RuntimeError, match=r"synchronizing operation \(a host read"):
+        d.sum().item()
+    with pytest.raises(RuntimeError, match="blocking device-to-host copy of 12 bytes"):
+        d.cpu()
+    torch.vdev.set_sync_debug_mode("default")
+    assert d.sum().item() == 3.0
+
+
+def test_a_non_blocking_copy_to_the_host_lands_only_after_a_synchronization(async_vdev):
+    d = torch.arange(5.0, device=async_vdev)
+    host = torch.zeros(5).pin_memory()
+    host.copy_(d, non_blocking=True)
+    d.add_(100)                                          # later device work: not in the copy
+    assert torch.isnan(host).all()                       # not there yet: a GPU race
+    event = torch.vdev.Event()
+    event.record()
+    event.synchronize()
+    assert torch.equal(host, torch.arange(5.0))          # the values at the copy's turn
+
+
+def test_a_non_blocking_copy_to_the_device_reads_its_source_when_the_device_gets_there(
+        async_vdev):
+    src = torch.ones(4).pin_memory()
+    d = torch.empty(4, device=async_vdev)
+    d.copy_(src, non_blocking=True)
+    src.fill_(7.0)                                       # the host overwrote it too early
+    assert torch.equal((d + 0).cpu(), torch.full((4,), 7.0))
+    # a pageable source is copied at once, as CUDA does
+    page = torch.ones(4)
+    d.copy_(page, non_blocking=True)
+    page.fill_(9.0)
+    assert torch.equal(d.cpu(), torch.ones(4))
+
+
+def test_streams_must_be_ordered_by_events(async_vdev):
+    x = torch.arange(4.0, device=async_vdev)
+    default, side = torch.vdev.current_stream(3), torch.vdev.Stream(3)
+    with torch.vdev.stream(side):
+        with pytest.raises(RuntimeError, match="stream 0 wrote"):
+            x * 2                                        # x comes from the default stream
+        side.wait_stream(default)
+        y = x * 2
+    with pytest.raises(RuntimeError, match="has not waited for"):
+        y + 1                                            # default stream, no wait: a race
+    event = torch.vdev.Event()
+    event.record(side)
+    default.wait_event(event)
+    assert torch.equal((y + 1).cpu(), torch.tensor([1.0, 3.0, 5.0, 7.0]))
+    with torch.vdev.stream(side):
+        z = x + 1
+    default.wait_stream(side)
+    assert torch.equal(z.cpu(), torch.arange(1.0, 5.0))
+
+
+def test_a_result_read_at_once_costs_a_wait_one_read_later_does_not(async_vdev):
+    d = torch.ones(8, device=async_vdev)
+    event = torch.vdev.Event()
+    event.record()
+    assert not event.query()                             # just queued: the device is behind
+    for _ in range(64):                                  # VDEV_QUEUE_DEPTH ops later
+        d.add_(1)
+    assert event.query()
+    assert torch.vdev.sync_stats(3)["total"] == 0

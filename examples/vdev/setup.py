@@ -11,6 +11,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 runtime = CppExtension(
     "zero_core_vdev._vdev_runtime",
     sources=["csrc/vdev.cpp"],
+    depends=["csrc/streams.h"],  # included by vdev.cpp: a change to it rebuilds
     extra_compile_args=["-O2", "-std=c++17"],
 )
 

@@ -40,6 +40,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -62,6 +63,10 @@ struct DeviceCounters {
   std::atomic<int64_t> d2d_bytes{0};  // device -> device, counted on the destination
   std::atomic<int64_t> h2d_copies{0};
   std::atomic<int64_t> d2h_copies{0};
+  // synchronizations (streams.h): blocking copies, host reads of device memory, waits
+  std::atomic<int64_t> sync_copies{0};
+  std::atomic<int64_t> sync_reads{0};
+  std::atomic<int64_t> sync_waits{0};
 };
 
 std::array<DeviceCounters, kMaxDevices> g_counters;
@@ -115,8 +120,11 @@ struct Block {
 std::mutex g_blocks_mutex;
 std::unordered_map<const void*, Block> g_blocks;  // base pointer -> block, for ptr lookups
 
+void forget_storage(int device, const void* base);  // streams.h
+
 void free_block(void* ctx) {
   auto* block = static_cast<Block*>(ctx);
+  if (block->ptr) forget_storage(block->device, block->ptr);
   {
     std::lock_guard<std::mutex> lock(g_blocks_mutex);
     g_blocks.erase(block->ptr);
@@ -222,47 +230,7 @@ bool is_pinned_ptr(const void* data) {
   return false;
 }
 
-// ---------------------------------------------------------------------------------------
-// device guard: the current device per thread; one synchronous default stream per device
-
-struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
-  c10::DeviceType type() const override { return c10::DeviceType::PrivateUse1; }
-
-  c10::Device exchangeDevice(c10::Device d) const override {
-    const c10::Device old = getDevice();
-    if (d.index() != old.index()) setDevice(d);
-    return old;
-  }
-  c10::Device getDevice() const override {
-    return c10::Device(c10::DeviceType::PrivateUse1, t_current_device);
-  }
-  void setDevice(c10::Device d) const override {
-    TORCH_CHECK(d.is_privateuseone(), "vdev: cannot make ", d, " the current device");
-    if (d.has_index()) {
-      check_index(d.index());
-      t_current_device = d.index();
-    }
-  }
-  void uncheckedSetDevice(c10::Device d) const noexcept override {
-    if (d.has_index()) t_current_device = d.index();
-  }
-  c10::Stream getStream(c10::Device d) const override {
-    return c10::Stream(c10::Stream::DEFAULT, d);
-  }
-  c10::Stream getDefaultStream(c10::Device d) const override {
-    return c10::Stream(c10::Stream::DEFAULT, d);
-  }
-  c10::Stream exchangeStream(c10::Stream s) const override {
-    return c10::Stream(c10::Stream::DEFAULT, s.device());
-  }
-  c10::DeviceIndex deviceCount() const noexcept override {
-    return static_cast<c10::DeviceIndex>(device_count());
-  }
-  // Work runs to completion when it is issued: there is never anything to wait for.
-  bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeDevice(const c10::DeviceIndex) const override {}
-};
+#include "streams.h"
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, GuardImpl);
 
@@ -403,15 +371,94 @@ void count_copy(const at::Tensor& src, const at::Tensor& dst) {
   }
 }
 
+// Host memory a GPU copy has not reached yet: 0xFF bytes (NaN in every float format).
+void poison_host(const at::Tensor& t) {
+  if (t.numel() == 0) return;
+  if (t.is_contiguous()) {
+    std::memset(t.data_ptr(), 0xFF, t.numel() * t.element_size());
+    return;
+  }
+  at::Tensor garbage = at::empty(t.sizes(), t.options());
+  std::memset(garbage.data_ptr(), 0xFF, garbage.numel() * garbage.element_size());
+  at::native::copy_(const_cast<at::Tensor&>(t), garbage, false);
+}
+
+// The bytes of a pending copy (streams.h), moved when its stream gets to it.
+void do_copy(Pending& p) {
+  if (p.to_host) {
+    at::native::copy_(p.dst, p.src, false);
+  } else {
+    at::Tensor dst_host = host_view(p.dst);
+    at::native::copy_(dst_host, p.src, false);
+  }
+}
+
+std::string bytes_of(const at::Tensor& t) {
+  return std::to_string(static_cast<int64_t>(t.numel()) * t.element_size()) + " bytes";
+}
+
+// Copies between host and device, and between devices. What synchronizes follows CUDA: a
+// copy without non_blocking waits for the stream (and is counted), a non-blocking one
+// between the device and pinned host memory does not (and, in the asynchronous mode, lands
+// later: streams.h); a non-blocking one into or out of pageable host memory cannot be
+// asynchronous and is counted as the synchronization it is.
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   TORCH_CHECK(self.defined() && dst.defined(), "vdev copy: undefined tensor");
   TORCH_CHECK((self.is_cpu() || self.is_privateuseone()) && (dst.is_cpu() || dst.is_privateuseone()),
               "vdev copies between vdev and cpu only, not from ", self.device(), " to ",
               dst.device());
   count_copy(self, dst);
-  at::Tensor dst_host = dst.is_privateuseone() ? host_view(dst) : dst;
-  const at::Tensor src_host = self.is_privateuseone() ? host_view(self) : self;
-  at::native::copy_(dst_host, src_host, non_blocking);
+  if (self.is_privateuseone() && dst.is_privateuseone()) {  // device -> device: stream work
+    if (self.device() != dst.device()) {
+      DeviceOp(std::string("a copy from ") + self.device().str(), self.device().index(),
+               {storage_key(self)});
+    }
+    const DeviceOp op("a device-to-device copy", dst.device().index(),
+                      {storage_key(self), storage_key(dst)});
+    at::Tensor dst_host = host_view(dst);
+    at::native::copy_(dst_host, host_view(self), non_blocking);
+    op.wrote(storage_key(dst));
+    return dst;
+  }
+  if (dst.is_privateuseone()) {  // host -> device
+    const int device = dst.device().index();
+    const bool pinned = self.numel() == 0 || is_pinned_ptr(self.storage().data());
+    const DeviceOp op("a host-to-device copy", device, {storage_key(dst)});
+    if (non_blocking && pinned && op.tracked) {
+      defer(device, Pending{op.stream, op.pos, false, dst, self, storage_key(dst)});
+      op.wrote(storage_key(dst));
+      return dst;
+    }
+    if (!(non_blocking && pinned)) {
+      note_sync(device, SyncKind::kCopy, "a blocking host-to-device copy of " + bytes_of(dst));
+    }
+    at::Tensor dst_host = host_view(dst);
+    at::native::copy_(dst_host, self, false);
+    op.wrote(storage_key(dst));
+    if (!non_blocking) sync_current_stream(device);
+    return dst;
+  }
+  // device -> host
+  const int device = self.device().index();
+  const bool pinned = dst.numel() == 0 || is_pinned_ptr(dst.storage().data());
+  const DeviceOp op("a device-to-host copy", device, {storage_key(self)});
+  if (non_blocking && pinned && op.tracked) {
+    at::Tensor snapshot = at::empty(self.sizes(), self.options().device(c10::kCPU));
+    at::native::copy_(snapshot, host_view(self), false);
+    poison_host(dst);
+    defer(device, Pending{op.stream, op.pos, true, dst, snapshot, nullptr});
+    return dst;
+  }
+  if (!(non_blocking && pinned)) {
+    note_sync(device, SyncKind::kCopy,
+              std::string(non_blocking ? "a non-blocking device-to-host copy into pageable "
+                                         "(not pinned) memory of "
+                                       : "a blocking device-to-host copy of ") +
+                  bytes_of(self));
+  }
+  at::Tensor dst_host = dst;
+  at::native::copy_(dst_host, host_view(self), false);
+  if (!(non_blocking && pinned)) sync_current_stream(device);
   return dst;
 }
 
@@ -421,9 +468,15 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
+// .item(), bool(t), float(t): the host reads device memory, after the stream gets there.
 at::Scalar local_scalar_dense(const at::Tensor& self) {
-  g_counters[self.device().index()].d2h_bytes += self.element_size();
-  g_counters[self.device().index()].d2h_copies += 1;
+  const int device = self.device().index();
+  note_sync(device, SyncKind::kRead,
+            "a host read of a device value (.item(), bool(), float(), int() or .tolist())");
+  g_counters[device].d2h_bytes += self.element_size();
+  g_counters[device].d2h_copies += 1;
+  const DeviceOp op("a host read of a device value", device, {storage_key(self)});
+  sync_current_stream(device);
   return at::native::_local_scalar_dense_cpu(host_view(self));
 }
 
@@ -450,6 +503,7 @@ struct Fallback {
   const c10::OperatorHandle& op;
   std::optional<c10::Device> device;  // the vdev device the op runs on
   std::vector<Operand> operands;
+  std::vector<const void*> fresh;     // storages of results the op allocated
 
   void see_device(const c10::Device& d) {
     if (!device) {
@@ -536,6 +590,7 @@ struct Fallback {
       at::Tensor out_host = host_view(out);
       at::native::copy_(out_host, host, false);
     }
+    fresh.push_back(storage_key(out));
     return out;
   }
 
@@ -572,11 +627,15 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
   const size_t first = stack->size() - num_args;
-  Fallback f{op, std::nullopt, {}};
+  Fallback f{op, std::nullopt, {}, {}};
   for (size_t i = 0; i < num_args; ++i) {
     const auto* alias = schema.arguments()[i].alias_info();
     (*stack)[first + i] = f.arg_to_host((*stack)[first + i], alias && alias->isWrite());
   }
+  // its place on the current stream (asynchronous mode: ordering checks, pending copies)
+  std::vector<const void*> touched;
+  for (const auto& o : f.operands) touched.push_back(storage_key(o.device_tensor));
+  const DeviceOp order(schema.name(), f.device ? f.device->index() : t_current_device, touched);
   {
     std::optional<c10::DeviceGuard> guard;
     if (f.device) guard.emplace(*f.device);
@@ -588,6 +647,10 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (size_t i = 0; i < num_returns; ++i) {
     (*stack)[rfirst + i] = f.result_to_device((*stack)[rfirst + i]);
   }
+  for (const auto& o : f.operands) {
+    if (o.written) order.wrote(storage_key(o.device_tensor));
+  }
+  for (const void* s : f.fresh) order.wrote(s);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -643,13 +706,15 @@ void op_set_device(int64_t index) {
 }
 
 // [allocated, peak, num_allocs, h2d_bytes, d2h_bytes, d2d_bytes, h2d_copies, d2h_copies,
-//  limit, pinned_allocated]
+//  limit, pinned_allocated, sync_copies, sync_reads, sync_waits, pending_copies]
 std::vector<int64_t> op_memory_stats(int64_t index) {
   check_index(static_cast<int>(index));
   const auto& c = g_counters[index];
   return {c.allocated.load(), c.peak.load(), c.num_allocs.load(), c.h2d_bytes.load(),
           c.d2h_bytes.load(), c.d2d_bytes.load(), c.h2d_copies.load(),
-          c.d2h_copies.load(), memory_limit(), g_pinned_allocated.load()};
+          c.d2h_copies.load(), memory_limit(), g_pinned_allocated.load(),
+          c.sync_copies.load(), c.sync_reads.load(), c.sync_waits.load(),
+          pending_count(static_cast<int>(index))};
 }
 
 void op_reset_peak(int64_t index) {
@@ -665,11 +730,32 @@ void op_reset_transfers(int64_t index) {
   c.d2d_bytes = 0;
   c.h2d_copies = 0;
   c.d2h_copies = 0;
+  c.sync_copies = 0;
+  c.sync_reads = 0;
+  c.sync_waits = 0;
 }
+
+void op_synchronize(int64_t index) {
+  check_index(static_cast<int>(index));
+  GuardImpl().synchronizeDevice(static_cast<c10::DeviceIndex>(index));
+}
+
+void op_set_sync_debug_mode(int64_t mode) {
+  TORCH_CHECK(mode >= 0 && mode <= 2, "vdev: sync debug mode is 0 (default), 1 (warn) or 2 "
+              "(error), not ", mode);
+  g_sync_debug_mode = static_cast<int>(mode);
+}
+
+int64_t op_get_sync_debug_mode() { return g_sync_debug_mode.load(); }
+void op_set_async(bool on) { set_async(on); }
+bool op_is_async() { return g_async.load(); }
 
 at::Tensor op_host_view(const at::Tensor& t) {
   TORCH_CHECK(t.is_privateuseone(), "vdev.host_view takes a vdev tensor, got one on ",
               t.device());
+  // a kernel of the device's own (kernel set, vdev-gloo) is about to read and write it
+  const DeviceOp op("a vdev kernel (host_view)", t.device().index(), {storage_key(t)});
+  op.wrote(storage_key(t));
   return host_view(t);
 }
 
@@ -703,6 +789,11 @@ TORCH_LIBRARY(vdev, m) {
   m.def("reset_transfers(int index) -> ()", &vdev::op_reset_transfers);
   m.def("host_view(Tensor(a) t) -> Tensor(a)");
   m.def("route_cpu_kernels() -> int", &vdev::route_cpu_kernels_through_fallback);
+  m.def("synchronize(int index) -> ()", &vdev::op_synchronize);
+  m.def("set_sync_debug_mode(int mode) -> ()", &vdev::op_set_sync_debug_mode);
+  m.def("get_sync_debug_mode() -> int", &vdev::op_get_sync_debug_mode);
+  m.def("set_async(bool on) -> ()", &vdev::op_set_async);
+  m.def("is_async() -> bool", &vdev::op_is_async);
 }
 
 TORCH_LIBRARY_IMPL(vdev, PrivateUse1, m) {

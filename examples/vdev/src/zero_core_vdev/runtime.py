@@ -2,7 +2,8 @@
 
 After ``import zero_core_vdev``: ``torch.device("vdev", i)`` exists, tensors move with
 ``.to("vdev")`` / ``.cpu()`` / ``.vdev()``, and ``torch.vdev`` is the device module
-(device count, current device, memory statistics), as ``torch.cuda`` is for GPUs.
+(device count, current device, streams, memory and synchronization statistics, the
+asynchronous mode), as ``torch.cuda`` is for GPUs.
 
 The library (csrc/vdev.cpp) is compiled when the package is installed. Importing it
 twice is harmless; importing it into a process whose PrivateUse1 key already belongs to
@@ -73,7 +74,10 @@ def _index(device=None) -> int:
 
 
 _STAT_NAMES = ("allocated", "peak", "num_allocs", "h2d_bytes", "d2h_bytes", "d2d_bytes",
-               "h2d_copies", "d2h_copies", "limit", "pinned_allocated")
+               "h2d_copies", "d2h_copies", "limit", "pinned_allocated",
+               "sync_copies", "sync_reads", "sync_waits", "pending_copies")
+#: torch.cuda.set_sync_debug_mode's names for the modes
+_SYNC_MODES = {"default": 0, "warn": 1, "error": 2}
 
 
 class _DeviceModule:
@@ -121,7 +125,71 @@ class _DeviceModule:
 
     @staticmethod
     def synchronize(device=None) -> None:
-        """vdev runs each op to completion when it is issued: nothing is ever pending."""
+        """Wait for everything issued on the device (counted as a synchronization; in the
+        asynchronous mode, pending copies land)."""
+        torch.ops.vdev.synchronize(_index(device))
+
+    # ---- streams (torch.Stream / torch.Event work on vdev as on a GPU) -------------------
+    @staticmethod
+    def current_stream(device=None) -> torch.Stream:
+        return torch.accelerator.current_stream(torch.device(NAME, _index(device)))
+
+    @staticmethod
+    def Stream(device=None, priority: int = 0) -> torch.Stream:  # noqa: N802 - torch.cuda's name
+        return torch.Stream(device=torch.device(NAME, _index(device)), priority=priority)
+
+    @staticmethod
+    def Event(enable_timing: bool = False) -> torch.Event:  # noqa: N802 - torch.cuda's name
+        return torch.Event(device=NAME, enable_timing=enable_timing)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def stream(stream):
+        """Run the block's device work on *stream* (None: the current one)."""
+        if stream is None:
+            yield
+            return
+        previous = torch.accelerator.current_stream(stream.device)
+        torch.accelerator.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(previous)
+
+    # ---- synchronizations and the asynchronous mode (csrc/streams.h) ------------------------
+    @staticmethod
+    def set_sync_debug_mode(mode) -> None:
+        """As torch.cuda's: "default" (0) counts, "warn" (1) warns at, "error" (2) refuses
+        every operation that makes the host wait for the device."""
+        value = _SYNC_MODES.get(mode, mode) if isinstance(mode, str) else int(mode)
+        if value not in (0, 1, 2):
+            raise ValueError(f"sync debug mode is one of {sorted(_SYNC_MODES)} or 0-2, not {mode!r}")
+        torch.ops.vdev.set_sync_debug_mode(value)
+
+    @staticmethod
+    def get_sync_debug_mode() -> int:
+        return int(torch.ops.vdev.get_sync_debug_mode())
+
+    @classmethod
+    def sync_stats(cls, device=None) -> dict:
+        """Synchronizations since the last reset_transfer_stats(): ``copies`` (blocking
+        host<->device copies), ``reads`` (.item() and the like), ``waits`` (stream, event,
+        device synchronize) and their ``total``."""
+        s = cls.memory_stats(device)
+        out = {"copies": s["sync_copies"], "reads": s["sync_reads"], "waits": s["sync_waits"]}
+        out["total"] = sum(out.values())
+        return out
+
+    @staticmethod
+    def set_async(on: bool) -> None:
+        """The asynchronous mode (also VDEV_ASYNC=1 at start): non-blocking copies land
+        later and streams must be ordered by events (csrc/streams.h). Turning it off
+        completes whatever is pending."""
+        torch.ops.vdev.set_async(bool(on))
+
+    @staticmethod
+    def is_async() -> bool:
+        return bool(torch.ops.vdev.is_async())
 
     # ---- random numbers: vdev draws from the host generator (see csrc/vdev.cpp) ---------
     # torch.manual_seed() / torch.seed() seed the host generator and then call these for

@@ -1,9 +1,11 @@
 """The ``vdev`` accelerator: zero-core's view of the vdev device.
 
-A synchronous device (each op finishes when it is issued), so streams and events are the
-interface's no-ops; memory figures come from vdev's own allocator; pinned host memory
-comes from vdev's pinned allocator (``tensor.pin_memory()``), which is what zero-core's
-communicators stage device tensors through.
+Streams and events are real (csrc/streams.h): in vdev's asynchronous mode a missing wait
+between streams is refused and non-blocking copies land late, as on a GPU; every
+synchronization is counted (``memory_stats()["syncs"]``). Memory figures come from vdev's
+own allocator; pinned host memory comes from vdev's pinned allocator
+(``tensor.pin_memory()``), which is what zero-core's communicators stage device tensors
+through.
 """
 from __future__ import annotations
 
@@ -47,6 +49,25 @@ class VdevAccelerator(Accelerator):
         from zero_core.backends.accelerators.cpu import default_cpu_comm
         return default_cpu_comm(launch)
 
+    def synchronize(self) -> None:
+        torch.vdev.synchronize()
+
+    # ---- streams and events -------------------------------------------------------------
+    def new_stream(self):
+        return torch.vdev.Stream()
+
+    def stream(self, stream):
+        return torch.vdev.stream(stream)
+
+    def record_event(self):
+        event = torch.vdev.Event()
+        event.record()
+        return event
+
+    def wait_event(self, event) -> None:
+        if event is not None:
+            torch.vdev.current_stream().wait_event(event)
+
     # ---- memory -------------------------------------------------------------------------
     def memory_allocated(self) -> int:
         return self._mod.memory_allocated()
@@ -61,7 +82,8 @@ class VdevAccelerator(Accelerator):
         stats = self._mod.memory_stats()
         return {"allocated": stats["allocated"], "peak": stats["peak"],
                 "total": self.total_memory(), "h2d_bytes": stats["h2d_bytes"],
-                "d2h_bytes": stats["d2h_bytes"], "pinned_allocated": stats["pinned_allocated"]}
+                "d2h_bytes": stats["d2h_bytes"], "pinned_allocated": stats["pinned_allocated"],
+                "syncs": stats["sync_copies"] + stats["sync_reads"] + stats["sync_waits"]}
 
     def total_memory(self) -> int:
         limit = self._mod.memory_stats()["limit"]

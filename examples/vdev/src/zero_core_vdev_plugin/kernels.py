@@ -40,18 +40,20 @@ def _device_of(x) -> torch.device:
     return (x[0] if isinstance(x, (list, tuple)) else x).device
 
 
-def adam_step(param, grad, exp_avg, exp_avg_sq, *, param_lowp=None, **hyper):
+def adam_step(param, grad, exp_avg, exp_avg_sq, *, param_lowp=None, found_inf=None, **hyper):
     from zero_core.accel_kernels import optim_cpu
     optim_cpu.adam_step(_host(param, "param"), _host(grad, "grad"), _host(exp_avg, "exp_avg"),
                         _host(exp_avg_sq, "exp_avg_sq"),
-                        param_lowp=_host(param_lowp, "param_lowp"), **hyper)
+                        param_lowp=_host(param_lowp, "param_lowp"),
+                        found_inf=_host(found_inf, "found_inf"), **hyper)
 
 
-def sgd_step(param, grad, momentum_buffer, *, param_lowp=None, **hyper):
+def sgd_step(param, grad, momentum_buffer, *, param_lowp=None, found_inf=None, **hyper):
     from zero_core.accel_kernels import optim_cpu
     optim_cpu.sgd_step(_host(param, "param"), _host(grad, "grad"),
                        _host(momentum_buffer, "momentum_buffer"),
-                       param_lowp=_host(param_lowp, "param_lowp"), **hyper)
+                       param_lowp=_host(param_lowp, "param_lowp"),
+                       found_inf=_host(found_inf, "found_inf"), **hyper)
 
 
 def _device_like(result, device):
@@ -101,4 +103,5 @@ def kernel_set() -> KernelSet:
         "sgd_step": f"{__name__}.sgd_step -> {CPU_OPTIM}.sgd_step",
         "quantize": f"{__name__} -> {CPU_QUANT}"},
         extra={"quantize": quantize, "dequantize": dequantize,
-               "dequantize_reduce_requantize": dequantize_reduce_requantize})
+               "dequantize_reduce_requantize": dequantize_reduce_requantize},
+        skips_on_device=True)  # the CPU kernels take found_inf (read in device memory)
