@@ -41,30 +41,35 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float, step: int, adamw: bool,
               bias_correction: bool = True,
-              param_lowp: torch.Tensor | None = None) -> None:
+              param_lowp: torch.Tensor | None = None,
+              found_inf: torch.Tensor | None = None) -> None:
     """One Adam (adamw=False, L2) or AdamW (adamw=True, decoupled decay) step, in place.
 
     Same contract as :func:`zero_core.accel_kernels.optim_reference.adam_step`: flat
     contiguous fp32 CPU tensors of one size, *grad* only read, *step* the 1-based count
     after this update, *lr* in parameter units per step, optional bf16/fp16 *param_lowp*
-    written rounded (nearest even) right after the step.
+    written rounded (nearest even) right after the step; *found_inf* 1.0: nothing changes
+    (optim_fused).
     """
     _require_cpu(param)
     optim_fused.adam_step(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2,
                           eps=eps, weight_decay=weight_decay, step=step, adamw=adamw,
-                          bias_correction=bias_correction, param_lowp=param_lowp)
+                          bias_correction=bias_correction, param_lowp=param_lowp,
+                          found_inf=found_inf)
 
 
 def sgd_step(param: torch.Tensor, grad: torch.Tensor,
              momentum_buffer: torch.Tensor | None, *, lr: float, momentum: float,
              dampening: float, weight_decay: float, nesterov: bool, first_step: bool,
-             param_lowp: torch.Tensor | None = None) -> None:
+             param_lowp: torch.Tensor | None = None,
+             found_inf: torch.Tensor | None = None) -> None:
     """One SGD step with torch.optim.SGD semantics, in place (torch's fused CPU kernel).
 
     Same contract as :func:`zero_core.accel_kernels.optim_reference.sgd_step`;
-    *momentum_buffer* is ignored (and may be None) when momentum == 0.
+    *momentum_buffer* is ignored (and may be None) when momentum == 0; *found_inf* as in
+    :func:`adam_step`.
     """
     _require_cpu(param)
     optim_fused.sgd_step(param, grad, momentum_buffer, lr=lr, momentum=momentum,
                          dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-                         first_step=first_step, param_lowp=param_lowp)
+                         first_step=first_step, param_lowp=param_lowp, found_inf=found_inf)

@@ -7,7 +7,11 @@ device that has a kernel for it (CPU, CUDA, XPU).
 
 Step count: the ops read it from a one-element float32 tensor on the parameters' device
 (the CUDA kernels reinterpret its memory as ``float``, the CPU kernel reads it with
-``item<float>()``), so that is what is passed.
+``item<float>()``), so that is what is passed. It is made with ``torch.full`` (a fill on the device), not
+``torch.tensor`` (a host-to-device copy, which on CUDA waits for the stream).
+
+``found_inf`` (a 0-dim float32 tensor on the device, 1.0: skip) goes to the fused op, which
+then leaves every tensor as it was: the engine's skip decision never travels to the host.
 
 ``bias_correction=False`` is expressed through that step tensor: with step = +inf,
 beta**step is exactly 0 in IEEE arithmetic (for 0 <= beta < 1), so both corrections
@@ -29,13 +33,15 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float, step: int, adamw: bool,
               bias_correction: bool = True,
-              param_lowp: torch.Tensor | None = None) -> None:
+              param_lowp: torch.Tensor | None = None,
+              found_inf: torch.Tensor | None = None) -> None:
     """One Adam (adamw=False, L2) or AdamW (adamw=True, decoupled decay) step, in place.
 
     Same contract as :func:`zero_core.accel_kernels.optim_reference.adam_step`: flat
     contiguous fp32 tensors of one size on one device, *grad* only read, *step* the
     1-based count after this update, *lr* in parameter units per step, optional bf16/fp16
-    *param_lowp* written rounded (nearest even) right after the step.
+    *param_lowp* written rounded (nearest even) right after the step; *found_inf* 1.0:
+    nothing changes (module docstring).
     """
     check_adam_args(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2,
                     eps=eps, weight_decay=weight_decay, step=step, param_lowp=param_lowp)
@@ -43,11 +49,11 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         return
     fused = torch._fused_adamw_ if adamw else torch._fused_adam_
     # +inf turns both bias corrections into exactly 1 (module docstring)
-    step_t = torch.tensor(float(step) if bias_correction else math.inf, dtype=torch.float32,
-                          device=param.device)
+    step_t = torch.full((), float(step) if bias_correction else math.inf, dtype=torch.float32,
+                        device=param.device)
     fused([param], [grad], [exp_avg], [exp_avg_sq], [], [step_t], lr=float(lr),
           beta1=float(beta1), beta2=float(beta2), weight_decay=float(weight_decay),
-          eps=float(eps), amsgrad=False, maximize=False)
+          eps=float(eps), amsgrad=False, maximize=False, found_inf=found_inf)
     if param_lowp is not None:
         param_lowp.copy_(param)
 
@@ -55,11 +61,13 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 def sgd_step(param: torch.Tensor, grad: torch.Tensor,
              momentum_buffer: torch.Tensor | None, *, lr: float, momentum: float,
              dampening: float, weight_decay: float, nesterov: bool, first_step: bool,
-             param_lowp: torch.Tensor | None = None) -> None:
+             param_lowp: torch.Tensor | None = None,
+             found_inf: torch.Tensor | None = None) -> None:
     """One SGD step with torch.optim.SGD semantics, in place.
 
     Same contract as :func:`zero_core.accel_kernels.optim_reference.sgd_step`;
-    *momentum_buffer* is ignored (and may be None) when momentum == 0.
+    *momentum_buffer* is ignored (and may be None) when momentum == 0; *found_inf* as in
+    :func:`adam_step`.
     """
     check_sgd_args(param, grad, momentum_buffer, lr=lr, momentum=momentum,
                    dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
@@ -69,6 +77,6 @@ def sgd_step(param: torch.Tensor, grad: torch.Tensor,
     torch._fused_sgd_([param], [grad], [] if momentum == 0 else [momentum_buffer],
                       weight_decay=float(weight_decay), momentum=float(momentum),
                       lr=float(lr), dampening=float(dampening), nesterov=bool(nesterov),
-                      maximize=False, is_first_step=bool(first_step))
+                      maximize=False, is_first_step=bool(first_step), found_inf=found_inf)
     if param_lowp is not None:
         param_lowp.copy_(param)

@@ -138,7 +138,7 @@ def _with_quant(ks: KernelSet, module: str, lazy: bool = False) -> KernelSet:
     """*ks* with the quantization kernels of *module* added to ``extra`` and ``info``."""
     extra, info = _quant_extra(module, lazy)
     return KernelSet(ks.name, ks.adam_step, ks.sgd_step, info={**ks.info, **info},
-                     extra={**ks.extra, **extra})
+                     extra={**ks.extra, **extra}, skips_on_device=ks.skips_on_device)
 
 
 def _device_quant_module() -> tuple[str, bool]:
@@ -163,7 +163,7 @@ def _device_set(name: str, reference) -> KernelSet:
     if fused is None:
         return _reference_set(name, reference, fallback_reason=why)
     return KernelSet(name, fused.adam_step, fused.sgd_step,
-                     info={"implementation": TORCH_FUSED, **_names(FUSED)})
+                     info={"implementation": TORCH_FUSED, **_names(FUSED)}, skips_on_device=True)
 
 
 def builtin_kernel_sets() -> list[KernelSet]:
@@ -177,7 +177,7 @@ def builtin_kernel_sets() -> list[KernelSet]:
     cpu, why = _import_kernels(CPU)
     if cpu is not None:
         sets.append(_with_quant(KernelSet("cpu", cpu.adam_step, cpu.sgd_step, info={
-            "implementation": _summary(cpu), **_names(CPU)}), QUANT_CPU))
+            "implementation": _summary(cpu), **_names(CPU)}, skips_on_device=True), QUANT_CPU))
     else:
         sets.append(_with_quant(_reference_set("cpu", reference, fallback_reason=why), QUANT_CPU))
 

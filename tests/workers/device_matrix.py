@@ -101,7 +101,7 @@ def build(cfg: dict, opts: dict):
     zero_core.register_external_parameter(model, model.mix.weight)
     if opts["ckpt"]:
         checkpointing.configure(None, deepspeed_config=cfg)
-    engine, *_ = zero_core.initialize(model=model, config=cfg,
+    engine, *_ = zero_core.initialize(model=model, config=cfg, optimizer=opts.get("optimizer"),
                                       model_parameters=groups_of(model))
     return engine, model
 
@@ -172,6 +172,7 @@ def run_scenario(name: str, scratch: str) -> dict:
            "param_bytes": next(gb.param_buf.dtype.itemsize for gb in engine.parts.buffers
                                if gb is not None),
            "device": str(engine.device), "skipped": engine.skipped_steps,
+           "async": engine.device.type == "vdev" and torch.vdev.is_async(),
            "precision": ("bf16" if cfg.get("bf16", {}).get("enabled")
                          else "fp16" if cfg.get("fp16", {}).get("enabled") else "fp32")}
     out["fingerprint"] = fingerprint(model)

@@ -82,7 +82,9 @@ def train_step(engine, model, rank, step, poison=None, batch=4, backward_twice=F
 
 def state(engine) -> list[torch.Tensor]:
     """Clones of everything an update changes on this rank: parameters (this rank's
-    partition at stage 3), fp32 master, optimizer states, step counts."""
+    partition at stage 3), fp32 master, optimizer states, step counts (host books: taken
+    up to date first, as every report of the engine does)."""
+    engine.get_global_grad_norm()
     out = []
     for j, gb in enumerate(engine.parts.buffers):
         if gb is None:
@@ -136,8 +138,12 @@ def nonfinite(rank, stage, precision, poison_name, action):
         after = state(engine)
         out.update(unchanged=same(before, after), finite_after=finite(after),
                    skipped=engine.skipped_steps, global_steps=engine.global_steps,
-                   norm=engine.get_global_grad_norm(), logged=list(log.lines))
-        train_step(engine, model, rank, 3)  # training goes on after a skip (or a caught raise)
+                   norm=engine.get_global_grad_norm())
+        # the step was decided on the device; its warning or error comes with the next
+        # update, where every rank reads the verdict (engine/update.py)
+        out["error"] = out["error"] or error_of(train_step, engine, model, rank, 3)
+        out["logged"] = list(log.lines)
+        train_step(engine, model, rank, 4)  # training goes on after a skip (or a caught raise)
         healthy = state(engine)
         out.update(moved_after=not same(after, healthy), finite_later=finite(healthy))
         return out
@@ -151,9 +157,9 @@ def consecutive_limit(rank):
     out = {"scenario": "consecutive", "errors": []}
     try:
         train_step(engine, model, rank, 0)
-        for step in (1, 2):
+        for step in (1, 2, 3):  # two poisoned steps; the second one's verdict comes at step 3
             out["errors"].append(error_of(train_step, engine, model, rank, step,
-                                          poison=float("nan")))
+                                          poison=float("nan") if step < 3 else None))
         out["skipped"] = engine.skipped_steps
         return out
     finally:
@@ -176,7 +182,9 @@ def batch_mismatch(rank):
         before = state(engine)
         out["error"] = error_of(train_step, engine, model, rank, 1, batch=4 if rank == 0 else 3)
         out["unchanged"] = same(before, state(engine))
-        train_step(engine, model, rank, 2)  # equal sizes again: trains
+        # named at the next update, where every rank reads the step's verdict
+        out["error"] = out["error"] or error_of(train_step, engine, model, rank, 2)
+        train_step(engine, model, rank, 3)  # equal sizes again: trains
         out["global_steps"] = engine.global_steps
         return out
     finally:

@@ -1,12 +1,15 @@
 """The engine room: the training step every ZeRO stage shares.
 
-- core.py — :class:`ZeroEngine`: forward, backward (loss scaling), the optimizer step (global
-  norm, clipping, the non-finite skip, the loss scaler, the LR schedule), reports,
-  checkpoint entry points, generation, handing the model back;
+- core.py — :class:`ZeroEngine`: forward, backward (loss scaling), reports, checkpoint
+  entry points, generation, handing the model back;
+- update.py — the optimizer update (global norm, clipping, the non-finite skip, the loss
+  scaler) decided on the device, and the host's books of it (LR schedule, counters,
+  warnings) one step later, with no synchronization in between;
 - contract.py — :class:`StageParts`: what a stage contributes (stage0to2/parts.py,
   stage3/parts.py) and the points where the engine calls it;
 - step_stats.py — the step's one all-reduce (norm, overflow, equal batches) and the
-  collectives that name what went wrong;
+  error that names unequal batches;
+- compile.py — ``engine.compile()``: torch.compile per block;
 - model_sync.py — every rank starts from the same model (the stages' ``prepare_model``).
 
 The stages sit above this folder and import it; nothing here imports a stage. Only

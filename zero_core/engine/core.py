@@ -2,17 +2,18 @@
 factory.py). What differs between stages comes from the engine's :class:`StageParts`
 (contract.py): stage0to2/parts.py or stage3/parts.py.
 
-One optimizer step, at a gradient-accumulation boundary:
+One optimizer step, at a gradient-accumulation boundary (engine/update.py):
 
 1. backward hooks have reduced each gradient bucket or fetch unit (the stage's reducer);
    wait for them;
 2. one all_reduce of this rank's sum of squared gradients gives the global norm — and,
    since inf/NaN survive the sum, the overflow flag, identical on every rank; the same
-   three numbers carry the micro-batch sizes, so ranks fed different sizes are caught;
+   vector carries every rank's micro-batch size, so ranks fed different sizes are caught;
 3. on overflow the step is skipped (fp16: and the loss scale lowered; fp32/bf16: as
    ``safety.nonfinite_gradients`` says, optim/nonfinite.py); otherwise gradients are
    multiplied once by ``1/loss_scale × clip coefficient`` and the partitioned optimizer
    updates this rank's slice and all-gathers the new values (optim/partitioned.py).
+   All of it is decided on the device; the host learns the verdict one step later.
 
 The ``1/(world_size · gradient_accumulation_steps)`` of averaging is folded into the loss
 before backward, so reductions are plain sums and no pass over the gradients is spent on it.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 
 import torch
@@ -33,14 +33,12 @@ import torch
 from zero_core.config import Config
 from zero_core.config.precision import dtype_name, torch_dtype
 from zero_core.engine.contract import StageParts
-from zero_core.engine.step_stats import (all_reduce_step_stats, first_nonfinite_parameter,
-                                         raise_batch_mismatch)
+from zero_core.engine.update import UpdateStep
 from zero_core.errors import ConfigError, ZeroCoreError
 from zero_core.interfaces.engine_parts import BuildContext, CheckpointSubject
 from zero_core.interfaces.ledger import CommLedger
-from zero_core.optim.grad_norm import squared_norm
 from zero_core.optim.loss_scaler import build_loss_scaler
-from zero_core.optim.nonfinite import NonFiniteGradientError, NonFiniteGuard
+from zero_core.optim.nonfinite import NonFiniteGuard
 from zero_core.memory import MemoryLedger, model_state_breakdown, optimizer_k
 from zero_core.monitor.master import MonitorMaster, build_monitor
 from zero_core.optim.rules import (collect_param_groups, require_offloadable, rule_from_config,
@@ -84,7 +82,7 @@ class ZeroEngine(torch.nn.Module):
         self._postscale = self._prescale / self.world_size
         self.global_steps = 0
         self.micro_steps = 0
-        self.skipped_steps = 0
+        self._skipped_steps = 0
         # engine.backward() ran since the last update: an update without one is misuse
         # (step() alone, or loss.backward() bypassing the engine's scaling and reduction)
         self._backward_since_update = False
@@ -127,7 +125,7 @@ class ZeroEngine(torch.nn.Module):
         self.parts.prepare_model(model)
         self.parts.build(model, groups)
         self.optimizer = self.reducer = self.loss_scaler = self.lr_scheduler = None
-        self._rule = None
+        self._rule = self._update = None
         if not self.inference_only:
             self._build_training_parts(optimizer, groups, lr_scheduler)
         self._comm_mark = self.comm.ledger.snapshot()
@@ -154,10 +152,12 @@ class ZeroEngine(torch.nn.Module):
         self._rule = rule
         self.reducer = self.parts.build_reducer(self.is_gradient_accumulation_boundary)
         self.reducer.register_hooks()
-        self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
+        self.loss_scaler = (build_loss_scaler(config.fp16).to(self.device)
+                            if config.fp16.enabled else None)
         self._nonfinite = NonFiniteGuard(config.safety.nonfinite_gradients,
                                          config.safety.max_consecutive_skips, config.precision)
         self.lr_scheduler = self._resolve_scheduler(lr_scheduler)
+        self._update = UpdateStep(self)
 
     # ---- construction ---------------------------------------------------------------------
     @staticmethod
@@ -211,7 +211,9 @@ class ZeroEngine(torch.nn.Module):
     def _to_device(self, x):
         if isinstance(x, torch.Tensor):
             if x.device != self.device:
-                x = x.to(self.device)
+                # from pinned memory (DataLoader(pin_memory=True)) without waiting for the
+                # device; a pageable source is copied synchronously either way
+                x = x.to(self.device, non_blocking=x.device.type == "cpu" and x.is_pinned())
             if (self.config.fp16.auto_cast and x.is_floating_point()
                     and x.dtype != torch.float16):
                 x = x.to(torch.float16)
@@ -234,7 +236,9 @@ class ZeroEngine(torch.nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ZeroCoreError("engine.backward(loss) needs a scalar loss tensor; reduce it "
                                 "first (e.g. loss.mean())")
-        factor = self.loss_scale / (self.gradient_accumulation_steps * self._prescale)
+        # the fp16 scale stays on the device (a tensor): reading it would synchronize
+        scale = self.loss_scaler.current if self.loss_scaler is not None else 1.0
+        factor = scale / (self.gradient_accumulation_steps * self._prescale)
         # stages 0/1 reduce the full gradient buffer in place at the boundary's backward; a
         # second backward there (retain_graph) would reduce the already-reduced sum again
         again = (self.stage in (0, 1) and self.is_gradient_accumulation_boundary()
@@ -292,67 +296,7 @@ class ZeroEngine(torch.nn.Module):
         self.micro_steps += 1
 
     def _optimizer_step(self):
-        self.reducer.flush()
-        self.reducer.wait_all()
-        present = [gb for gb in self.parts.buffers if gb is not None]
-        self._reduce_across_replicas(present)
-        local = squared_norm(t for gb in present for t in gb.reduced_grad_tensors())
-        if self.sharding.num_replicas > 1:
-            # every copy holds the same reduced gradients: the world's sum counts each R times
-            local = local / self.sharding.num_replicas
-        sumsq = self._all_reduce_step_stats(local)
-        scale = self.loss_scale
-        overflow = not math.isfinite(sumsq)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow)
-            skip = overflow  # fp16 always skips an overflowing step
-        else:  # the same decision on every rank: the sum was all-reduced
-            try:
-                skip = self._nonfinite.should_skip(not overflow, self.global_steps, sumsq,
-                                                   self._first_nonfinite_parameter,
-                                                   self.global_rank)
-            except NonFiniteGradientError:
-                self._drop_window()
-                raise
-        if skip:
-            self.skipped_steps += 1
-            self._global_grad_norm = float("inf")
-            self._finish_step(stepped=False)
-            return
-        norm = math.sqrt(sumsq) * self._postscale / scale
-        factor = self._postscale / scale
-        clip = self.config.gradient_clipping
-        if clip > 0 and math.isfinite(norm):
-            # torch.nn.utils.clip_grad_norm_'s coefficient
-            factor *= min(1.0, clip / (norm + 1e-6))
-        self.optimizer.grad_factor = factor
-        self.optimizer.step()
-        self._global_grad_norm = norm
-        self._finish_step(stepped=True)
-
-    def _reduce_across_replicas(self, present: list) -> None:
-        """MiCS: sum each rank's reduced gradient partition over its replica group (the
-        ranks holding the same partition in the other shard groups), once per step."""
-        group = self.sharding.replicas
-        if group is None or self.sharding.replicas_in_reduce:
-            return
-        handles = [self.comm.all_reduce(t, "sum", group=group, async_op=True)
-                   for gb in present for t in gb.reduced_grad_tensors()]
-        for h in handles:
-            h.wait()
-
-    def _all_reduce_step_stats(self, local_sumsq: torch.Tensor) -> float:
-        """The global squared gradient norm, with the equal-batch check on the way
-        (step_stats.py)."""
-        check = self.config.safety.check_batch_sizes and self.world_size > 1
-        sumsq, differ = all_reduce_step_stats(
-            self.comm, local_sumsq, self._window_samples, self.world_size,
-            reduce_norm=self.stage > 0 and self.world_size > 1, check_batches=check)
-        if differ:
-            samples = self._window_samples
-            self._drop_window()
-            raise_batch_mismatch(self.comm, samples, self.world_size, self.global_steps)
-        return sumsq
+        self._update.run()
 
     def _drop_window(self) -> None:
         """Forget this accumulation window (a step that raised): gradients, sample count."""
@@ -360,25 +304,10 @@ class ZeroEngine(torch.nn.Module):
         self._window_samples = 0
         self._backward_since_update = False
 
-    def _first_nonfinite_parameter(self) -> str | None:
-        return first_nonfinite_parameter(self.module, self.parts.buffers, self.comm,
-                                         self.sharding.rank, self.world_size)
-
-    def _finish_step(self, stepped: bool):
-        self.zero_grad()
-        self._window_samples = 0
-        if stepped and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.global_steps += 1
-        if self.monitor.enabled and self.global_rank == 0:
-            # what DeepSpeed 0.19.8 writes at each optimizer step, skipped steps included
-            events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
-            if self.loss_scaler is not None:
-                events.append(("Train/Samples/loss_scale", self.loss_scale, self.global_samples))
-            self.monitor.write_events(events)
-        now = self.comm.ledger.snapshot()
-        self._last_comm = CommLedger.difference(now, self._comm_mark)
-        self._comm_mark = now
+    def _settle(self, collective: bool = False) -> None:
+        """Take the last update's verdict into the books (engine/update.py)."""
+        if self._update is not None:
+            self._update.settle(collective)
 
     def _require_training(self, what: str) -> None:
         if self.inference_only:
@@ -422,12 +351,24 @@ class ZeroEngine(torch.nn.Module):
         """Learning rate of every parameter group (none for an inference engine)."""
         if self.optimizer is None:
             return []
+        self._settle()
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
         """L2 norm of the (unscaled, unclipped) averaged gradient at the last step; inf if
         that step overflowed; None before the first step."""
+        self._settle()
         return self._global_grad_norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far (non-finite gradients, fp16 overflows)."""
+        self._settle()
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_steps = value
 
     @property
     def global_samples(self) -> int:
@@ -485,6 +426,7 @@ class ZeroEngine(torch.nn.Module):
     def destroy(self) -> None:
         """Remove the engine's hooks (the model keeps its current values; at stage 3 the
         parameters stay partitioned: gather them with GatheredParameters); close monitors."""
+        self._settle()
         self._close()
         self.parts.destroy()
 
@@ -543,6 +485,7 @@ class ZeroEngine(torch.nn.Module):
         ranks is handled as ``checkpoint.tag_validation`` says (checkpoint/tags.py)."""
         from zero_core.checkpoint.save_load import save_checkpoint
         from zero_core.checkpoint.tags import validate_tag
+        self._settle(collective=True)
         if tag is not None:  # the default tag comes from global_steps, equal on every rank
             tag = validate_tag(self.comm, str(tag), self.config.checkpoint.tag_validation)
         return save_checkpoint(self.checkpoint_subject(), save_dir, tag, client_state,
@@ -553,6 +496,7 @@ class ZeroEngine(torch.nn.Module):
         """Collective: load checkpoint *tag* (default: ``latest``), saved with any world size
         and stage; returns ``(checkpoint directory, client_state)``."""
         from zero_core.checkpoint.save_load import load_checkpoint
+        self._settle(collective=True)
         return load_checkpoint(self.checkpoint_subject(), load_dir, tag, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 

@@ -15,6 +15,13 @@ step, adamw, bias_correction=True, param_lowp=None)``
 nesterov, first_step, param_lowp=None)``
     SGD with optional momentum, torch.optim.SGD semantics; *momentum_buffer* may be None
     when momentum is 0.
+
+A set whose ``skips_on_device`` is True also takes ``found_inf=`` in both kernels: a 0-dim
+float32 tensor on the parameters' device; 1.0 means "this step is skipped": parameters,
+states and *param_lowp*'s values stay as they are (torch's fused optimizers' own flag). The
+engine then decides to skip a step (non-finite gradients, unequal batches) without the host
+reading anything back. A set without it gets no ``found_inf``, and the engine reads its
+verdict on the host first: one device synchronization per step.
 """
 from __future__ import annotations
 
@@ -33,3 +40,5 @@ class KernelSet:
     info: dict = field(default_factory=dict)
     #: optional kernels added by later capabilities (quantization, ...), by name
     extra: dict = field(default_factory=dict)
+    #: the optimizer kernels take ``found_inf=`` (see the module docstring)
+    skips_on_device: bool = False

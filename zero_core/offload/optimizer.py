@@ -66,6 +66,7 @@ class OffloadedOptimizer(PartitionedOptimizer):
         self.ledger, self.max_inflight = ledger, max_inflight
         self._zero_grad_fn = zero_grad_fn
         self.grad_factor = 1.0
+        self.found_inf = None
         self.step_counts = [0] * len(buffers)
         self._inner = None
         self.param_sink = param_sink
@@ -141,6 +142,12 @@ class OffloadedOptimizer(PartitionedOptimizer):
                     return MasterWriteThrough(self.store, j, lay.partition_start(k),
                                               lay.shard_size(k), self.subgroups)
             gb.replace_master(master, unit_master)
+
+    @property
+    def skips_on_device(self) -> bool:
+        """No: the host steps, after waiting for the gradients it copies; the engine reads
+        the verdict on the host first (engine/update.py)."""
+        return False
 
     # ---- the step -----------------------------------------------------------------------------
     @torch.no_grad()

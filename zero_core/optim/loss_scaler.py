@@ -19,8 +19,14 @@ scale before backward and the gradients are divided by it before the optimizer s
 
 A *static* scale (``fp16.loss_scale > 0``) never changes.
 
-The engine calls ``update(overflow)`` once per optimizer step (after the overflow check,
-whose result must be the same on every rank) and multiplies the loss by ``scale``.
+The dynamic scaler's state lives in one small tensor, moved to the engine's device
+(:meth:`DynamicLossScaler.to`): the engine multiplies the loss by :attr:`current` (that
+tensor's scale) and calls :meth:`DynamicLossScaler.update_on_device` with the step's
+overflow flag as a device tensor, so that no step reads the scale back to the host (a
+synchronization on a GPU). The rules are the same arithmetic on tensors; an overflow at the
+floor sets :attr:`underflow`, which the engine turns into :class:`LossScaleUnderflowError`
+when it reads the step's verdict (engine/update.py). ``update(overflow: bool)`` is the
+host-side form (tests, tools): it raises at once. Reading :attr:`scale` copies it to the host.
 """
 from __future__ import annotations
 
@@ -74,9 +80,18 @@ class _LossScaler:
 
     loss_scale = scale  # DeepSpeed's attribute name
 
+    @property
+    def current(self):
+        """The scale as the engine multiplies by it: a float, or a 0-dim device tensor."""
+        return self._scale
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """*loss* multiplied by the current scale."""
-        return loss * self._scale
+        return loss * self.current
+
+    def to(self, device) -> "_LossScaler":
+        """Keep the state on *device* (nothing to move for a static scale)."""
+        return self
 
 
 class StaticLossScaler(_LossScaler):
@@ -93,6 +108,11 @@ class StaticLossScaler(_LossScaler):
 
     def update(self, overflow: bool) -> None:
         """Nothing to adapt; the engine still skips the step when *overflow* is True."""
+
+    def update_on_device(self, overflow: torch.Tensor) -> None:
+        """Nothing to adapt (the engine's device-side form of :meth:`update`)."""
+
+    underflow = None  # a static scale never reaches a floor
 
     def state_dict(self) -> dict:
         """The scale, for checkpoints."""
@@ -148,43 +168,83 @@ class DynamicLossScaler(_LossScaler):
         self.consecutive_hysteresis = bool(consecutive_hysteresis)
         self.scale_factor = float(scale_factor)
         self.raise_error_at_min_scale = bool(raise_error_at_min_scale)
-        self._scale = float(initial_scale)
-        self.hysteresis_left = hysteresis
-        self.good_steps = 0      # consecutive non-overflow updates since the last overflow
-        self.steps = 0           # updates so far
-        self.overflows = 0       # overflowed (skipped) updates so far
+        # [scale, hysteresis left, good steps since the last overflow, steps, overflows]:
+        # float64 holds every count exactly up to 2**53
+        self._state = torch.tensor([float(initial_scale), hysteresis, 0, 0, 0],
+                                   dtype=torch.float64)
+        #: 1.0 once an overflow hit the floor (raise_error_at_min_scale), on the state's device
+        self.underflow = torch.zeros((), dtype=torch.float64)
+
+    def to(self, device) -> "DynamicLossScaler":
+        self._state = self._state.to(device)
+        self.underflow = self.underflow.to(device)
+        return self
+
+    # the state, read on the host (a copy from the device: for reports and checkpoints)
+    @property
+    def scale(self) -> float:
+        return float(self._state[0])
+
+    loss_scale = scale
+
+    @property
+    def current(self) -> torch.Tensor:
+        return self._state[0]
+
+    @property
+    def hysteresis_left(self) -> int:
+        return int(self._state[1])
+
+    @property
+    def good_steps(self) -> int:
+        return int(self._state[2])
+
+    @property
+    def steps(self) -> int:
+        return int(self._state[3])
+
+    @property
+    def overflows(self) -> int:
+        return int(self._state[4])
+
+    def update_on_device(self, overflow: torch.Tensor) -> None:
+        """Adapt the scale after one optimizer step; *overflow* (a 0-dim bool tensor on the
+        state's device) says whether its gradients held an inf/NaN. Nothing is read back."""
+        scale, hyst, good, steps, overflows = self._state.unbind()
+        spent = hyst <= 1  # no hysteresis left: this overflow lowers the scale
+        if self.raise_error_at_min_scale:
+            hit = overflow & spent & (scale <= self.min_scale)
+            self.underflow = torch.maximum(self.underflow, hit.to(torch.float64))
+        lowered = torch.where(spent, torch.clamp(scale / self.scale_factor, min=self.min_scale),
+                              scale)
+        good_after = good + 1
+        # DeepSpeed counts the window from the step after the last overflow: the scale grows
+        # when good_steps - 1 is a positive multiple of the window
+        stable = good_after - 1
+        grow = (stable > 0) & (torch.remainder(stable, self.scale_window) == 0)
+        kept = torch.full_like(hyst, float(self.hysteresis)) if self.consecutive_hysteresis else hyst
+        refill = torch.full_like(hyst, float(self.hysteresis))
+        new = torch.stack([
+            torch.where(overflow, lowered, torch.where(grow, scale * self.scale_factor, scale)),
+            torch.where(overflow, torch.where(spent, hyst, hyst - 1),
+                        torch.where(grow, refill, kept)),
+            torch.where(overflow, torch.zeros_like(good), good_after),
+            steps + 1,
+            overflows + overflow.to(torch.float64)])
+        self._state.copy_(new)
 
     def update(self, overflow: bool) -> None:
-        """Adapt the scale after one optimizer step; *overflow* says whether its gradients held
-        an inf/NaN (the step was skipped)."""
-        if overflow:
-            self.overflows += 1
-            self.good_steps = 0
-            if self.hysteresis_left <= 1:
-                if self._scale <= self.min_scale and self.raise_error_at_min_scale:
-                    raise LossScaleUnderflowError(
-                        f"fp16 gradients overflowed at the minimum loss scale {self.min_scale:g} "
-                        f"(step {self.steps}): the loss or gradients are inf/NaN at any scale. "
-                        f"Check the data and learning rate, lower fp16.min_loss_scale, or train "
-                        f"in bf16")
-                self._scale = max(self._scale / self.scale_factor, self.min_scale)
-            else:
-                self.hysteresis_left -= 1
-        else:
-            self.good_steps += 1
-            if self.consecutive_hysteresis:
-                self.hysteresis_left = self.hysteresis
-            # DeepSpeed counts the window from the step after the last overflow: the scale
-            # grows when good_steps - 1 is a positive multiple of the window.
-            stable = self.good_steps - 1
-            if stable > 0 and stable % self.scale_window == 0:
-                self.hysteresis_left = self.hysteresis
-                self._scale *= self.scale_factor
-        self.steps += 1
+        """:meth:`update_on_device` for a host *overflow*; raises
+        :class:`LossScaleUnderflowError` at once for an overflow at the floor."""
+        if overflow and self.raise_error_at_min_scale and self.hysteresis_left <= 1 \
+                and self.scale <= self.min_scale:
+            raise LossScaleUnderflowError(underflow_message(self.min_scale, self.steps))
+        flag = torch.tensor(bool(overflow), device=self._state.device)
+        self.update_on_device(flag)
 
     def state_dict(self) -> dict:
         """Everything needed to continue the same scale sequence after a restart."""
-        return {"type": "dynamic", "scale": self._scale, "hysteresis_left": self.hysteresis_left,
+        return {"type": "dynamic", "scale": self.scale, "hysteresis_left": self.hysteresis_left,
                 "good_steps": self.good_steps, "steps": self.steps, "overflows": self.overflows}
 
     def load_state_dict(self, state: dict) -> None:
@@ -194,11 +254,16 @@ class DynamicLossScaler(_LossScaler):
             raise ConfigError(f"cannot load a {state.get('type')!r} loss-scaler state into a "
                               f"dynamic scaler: the checkpoint used a static fp16.loss_scale; use "
                               f"the same fp16 settings as when it was saved")
-        self._scale = float(state["scale"])
-        self.hysteresis_left = int(state["hysteresis_left"])
-        self.good_steps = int(state["good_steps"])
-        self.steps = int(state.get("steps", 0))
-        self.overflows = int(state.get("overflows", 0))
+        values = [float(state["scale"]), int(state["hysteresis_left"]), int(state["good_steps"]),
+                  int(state.get("steps", 0)), int(state.get("overflows", 0))]
+        self._state.copy_(torch.tensor(values, dtype=torch.float64))
+
+
+def underflow_message(min_scale: float, step: int) -> str:
+    return (f"fp16 gradients overflowed at the minimum loss scale {min_scale:g} "
+            f"(step {step}): the loss or gradients are inf/NaN at any scale. "
+            f"Check the data and learning rate, lower fp16.min_loss_scale, or train "
+            f"in bf16")
 
 
 def build_loss_scaler(fp16) -> DynamicLossScaler | StaticLossScaler:

@@ -17,7 +17,9 @@ module turns the verdict into an action, per ``safety.nonfinite_gradients``:
   ``check_grad_overflow: false``).
 
 The messages are the same on every rank (the parameter name is agreed by a collective),
-so a job's failure report prints them once.
+so a job's failure report prints them once. The skip itself is decided on the device at the
+step (engine/update.py); the warning or error comes when the host reads that step's verdict,
+at the next update (or ``save_checkpoint``/``load_checkpoint``), naming the step.
 """
 from __future__ import annotations
 

@@ -75,8 +75,11 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self.ledger = ledger
         self.max_inflight = max_inflight
         self._zero_grad_fn = zero_grad_fn
-        #: set by the engine before step(): multiply gradients by this (unscale × clip)
+        #: set by the engine before step(): multiply gradients by this (unscale × clip); a
+        #: float, or a 0-dim device tensor when the engine decides on the device
         self.grad_factor = 1.0
+        #: set by the engine with a tensor grad_factor: 1.0 makes the kernels skip the step
+        self.found_inf: torch.Tensor | None = None
         self.step_counts = [0] * len(buffers)
         present = [gb for gb in buffers if gb is not None]
         self._check_dtypes(present, state_dtype)
@@ -148,6 +151,19 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self._step_lamb()
         else:
             self._step_fused()
+
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether a step can be skipped on the device (``found_inf``): the fused Adam/SGD
+        kernels of a set that takes it. Otherwise the engine decides on the host first."""
+        return self.rule.kind in ("adam", "sgd") and getattr(self.kernels, "skips_on_device",
+                                                              False)
+
+    def undo_step(self) -> None:
+        """The last step was skipped on the device: its step count does not count."""
+        for j, gb in enumerate(self.buffers):
+            if gb is not None:
+                self.step_counts[j] -= 1
 
     def get_lamb_coeffs(self) -> list[float]:
         """Lamb: the trust ratio applied to each trained parameter at the last step, in
@@ -230,6 +246,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     def _kernel(self, j, hp, master, grad, states, lowp):
         t = self.step_counts[j]
+        skip = {} if self.found_inf is None else {"found_inf": self.found_inf}
         if self.rule.kind == "adam":
             beta1, beta2 = hp["betas"]
             self.kernels.adam_step(
@@ -238,7 +255,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 eps=float(hp["eps"]), weight_decay=float(hp["weight_decay"]), step=t,
                 adamw=self.rule.adamw,
                 bias_correction=bool(hp.get("bias_correction", self.rule.bias_correction)),
-                param_lowp=lowp)
+                param_lowp=lowp, **skip)
         else:
             momentum = float(hp.get("momentum", 0.0))
             buf = states["momentum_buffer"] if momentum else None
@@ -246,20 +263,23 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 master, grad, buf, lr=float(hp["lr"]), momentum=momentum,
                 dampening=float(hp.get("dampening", 0.0)),
                 weight_decay=float(hp.get("weight_decay", 0.0)),
-                nesterov=bool(hp.get("nesterov", False)), first_step=t == 1, param_lowp=lowp)
+                nesterov=bool(hp.get("nesterov", False)), first_step=t == 1, param_lowp=lowp,
+                **skip)
 
     def _fp32_grad(self, gb: GroupBuffersProtocol, k: int):
         """Bucket *k*'s reduced gradient in fp32, multiplied by ``grad_factor``; and the
         scratch buffer to give back (mixed precision) or None."""
         g = gb.reduced_grad_bucket(k)
         f = self.grad_factor
+        # a device tensor is always applied: comparing it with 1.0 would read it back
+        scale = isinstance(f, torch.Tensor) or f != 1.0
         if g.dtype == torch.float32:
-            if f != 1.0:
+            if scale:
                 g.mul_(f)
             return g, None
         s = self._grad32.take(g.numel())
         s.copy_(g)
-        if f != 1.0:
+        if scale:
             s.mul_(f)
         return s, s
 
