@@ -182,7 +182,7 @@ def test_argument_conflicts_are_listed(tmp_path):
 
 
 def test_unsupported_trainer_features_are_refused(tmp_path):
-    """args.deepspeed next to zero_config (and FSDP, torch_compile): refused when the
+    """args.deepspeed next to zero_config (and FSDP): refused when the
     trainer is made, every one named, before accelerate could start DeepSpeed or FSDP."""
     from transformers import TrainingArguments
     from hf_trainer_common import make_model
@@ -193,12 +193,11 @@ def test_unsupported_trainer_features_are_refused(tmp_path):
     # as a user's argument parser might
     args.deepspeed = {"zero_optimization": {"stage": 2}}
     args.fsdp = "full_shard"
-    args.torch_compile = True
     args.label_smoothing_factor = 0.1
     with pytest.raises(UnsupportedTrainerFeature) as info:
         ZeroCoreTrainer(model=make_model(SEED), args=args, zero_config={"zero_optimization": {"stage": 2}})
     text = str(info.value)
-    assert "deepspeed" in text and "fsdp" in text and "torch_compile" in text, text
+    assert "deepspeed" in text and "fsdp" in text, text
     assert "label_smoothing_factor" in text, text
     assert "deepspeed" not in sys.modules
     with pytest.raises(UnsupportedTrainerFeature, match="deepspeed"):

@@ -366,7 +366,8 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
         "weight_quantization": "weight quantization",
         "sparse_attention": "sparse attention kernels",
         "nebula": "Nebula checkpointing",
-        "compile": "torch.compile / DeepCompile integration",
+        "compile": "DeepCompile (compile.deepcompile: DeepSpeed's own compiler passes; "
+                   "engine.compile() compiles the model's blocks with torch.compile)",
         "memory_breakdown": "memory breakdown logging",
         "dump_state": "state dump at start",
         "disable_allgather": "broadcast instead of all-gather",

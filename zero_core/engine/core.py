@@ -334,6 +334,22 @@ class ZeroEngine(torch.nn.Module):
     def eval(self):
         return self.train(False)
 
+    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None,
+                schedule=None) -> None:
+        """torch.compile the model's blocks (DeepSpeed's engine.compile); see engine/compile.py."""
+        from zero_core.engine.compile import compile_engine
+        compile_engine(self, backend, compile_kwargs, schedule)
+
+    @property
+    def is_compiled(self) -> bool:
+        """True after :meth:`compile`."""
+        return getattr(self, "_compiled", False)
+
+    def compile_report(self) -> dict:
+        """What :meth:`compile` compiled, with the graph breaks and graphs since."""
+        from zero_core.engine.compile import compile_report
+        return compile_report(self)
+
     def generate(self, *args, **kwargs):
         """Generate with the model's own ``generate`` (Hugging Face's GenerationMixin) as
         DeepSpeed's hybrid engine does: without autograd, in eval mode, the ``hybrid_engine``

@@ -433,8 +433,16 @@ class ZeroCoreStrategy(DDPStrategy):
     def _build_engine(self, trainer, module, fitting: bool):
         cfg = self._training_config(trainer)
         optimizer, schedulers = self._user_optimizer(module, cfg, fitting)
+        # trainer.fit(torch.compile(module)): Lightning compiled the whole training_step,
+        # which would trace the engine's gathers and hooks; compile the blocks instead
+        compiled = getattr(module, "_compiler_ctx", None) is not None
+        if compiled:
+            from lightning.pytorch.utilities.compile import to_uncompiled
+            to_uncompiled(module)
         engine, engine_optimizer, _, _ = zero_core.initialize(model=module, optimizer=optimizer,
                                                                config=cfg)
+        if compiled:
+            engine.compile()
         if fitting:
             self.optimizers = [engine_optimizer]
             # schedulers from configure_optimizers stay Lightning's (stepped per its interval);

@@ -157,6 +157,10 @@ class ZeroCoreTrainer(Trainer):
         engine, _, _, _ = zero_core.initialize(model=self.model, optimizer=optimizer,
                                                config=config, lr_scheduler=lr_scheduler)
         self._engine = engine
+        if self.args.torch_compile:  # the engine compiles block by block (engine/compile.py)
+            mode = self.args.torch_compile_mode
+            engine.compile(backend=self.args.torch_compile_backend or "inductor",
+                           compile_kwargs={"mode": mode} if mode else None)
         self._engine_loop = EngineLoop(engine)
         self.model_wrapped = engine
         self.optimizer = EngineOptimizer(engine)

@@ -54,9 +54,6 @@ def refuse_unsupported(args, trainer_kwargs: dict) -> None:
             or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         found.append("TrainingArguments.fsdp / fsdp_config (or ACCELERATE_USE_FSDP): FSDP is "
                      "another sharding engine; use zero_optimization.stage 3 instead")
-    if getattr(args, "torch_compile", False):
-        found.append("TrainingArguments.torch_compile: the engine's backward hooks are not "
-                     "compiled; set torch_compile=False")
     if getattr(args, "parallelism_config", None) is not None:
         found.append("TrainingArguments.parallelism_config (tensor/context/sequence "
                      "parallelism): zero-core is data parallel only")
