@@ -376,6 +376,11 @@ class ZeroEngine(torch.nn.Module):
         self._settle()
         return self._global_grad_norm
 
+    def global_grad_norm_tensor(self) -> torch.Tensor | None:
+        """:meth:`get_global_grad_norm` as a 0-dim tensor on the device, without waiting
+        for the device (for loggers that read it only now and then)."""
+        return self._update.last_norm if self._update is not None else None
+
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far (non-finite gradients, fp16 overflows)."""

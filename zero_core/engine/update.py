@@ -193,6 +193,8 @@ class UpdateStep:
         self.engine = engine
         self.pieces = GradPieces(engine.module, engine.sharding.rank)
         self.pending: list[Verdict] = []      # not yet taken into the books
+        #: the last update's global norm as a 0-dim device tensor (inf when it was skipped)
+        self.last_norm: torch.Tensor | None = None
         self.unreported: list[Verdict] = []   # in the books; warnings/errors still to come
 
     # ---- the update -----------------------------------------------------------------------
@@ -223,6 +225,8 @@ class UpdateStep:
         underflow = (scaler.underflow if scaler is not None and scaler.underflow is not None
                      else torch.zeros((), dtype=torch.float64, device=d.values.device))
         values = torch.cat([d.values, underflow.reshape(1).to(d.values.device)])
+        self.last_norm = torch.where(d.found_inf > 0, torch.full_like(d.values[1], math.inf),
+                                     d.values[1])
         opt = e.optimizer
         on_device = opt.skips_on_device
         # issued before the kernels: the copy lands while the optimizer still runs

@@ -63,8 +63,9 @@ class EngineLoop:
 
     def grad_norm(self):
         """The global gradient norm of the last update (before clipping), as the Trainer
-        logs it; None before the first update."""
-        return self.engine.get_global_grad_norm()
+        logs it; None before the first update. A device tensor: the Trainer reads it
+        (``.item()``) only when it logs, so other steps do not wait for the device."""
+        return self.engine.global_grad_norm_tensor()
 
 
 class EngineOptimizer:
