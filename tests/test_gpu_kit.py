@@ -27,8 +27,8 @@ def dry_run(tmp_path_factory):
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                         "ZERO_CORE_ACCELERATOR", "ZERO_CORE_COMM", "TRITON_INTERPRET")}
     proc = subprocess.run([sys.executable, KIT, "--device", "cpu", "--quick", "--out", str(out),
-                           "--budget", "170"],
-                          capture_output=True, text=True, timeout=200, env=env, cwd=str(out))
+                           "--budget", "200"],
+                          capture_output=True, text=True, timeout=230, env=env, cwd=str(out))
     return proc, out
 
 
@@ -62,7 +62,7 @@ def test_every_check_that_can_run_on_the_cpu_passes(dry_run):
     assert by_status.get("skip", []) == []
     assert by_status.get("refused") == ["engine/stage3-bf16-hpz2"]
     names = set(by_status["pass"])
-    for group in ("conformance/", "kernels/", "engine/", "checkpoint/", "bench/"):
+    for group in ("conformance/", "kernels/", "engine/", "checkpoint/", "bench/", "ranks/"):
         assert any(n.startswith(group) for n in names), group
     checks = {c["name"]: c for c in report["checks"]}
     # the Triton kernels ran (interpreted) and were compared with the reference
@@ -77,6 +77,15 @@ def test_every_check_that_can_run_on_the_cpu_passes(dry_run):
     stage3 = checks["engine/stage3-fp32"]["numbers"]
     assert stage3["loss_curve_max_rel_diff"] <= 1e-3
     assert stage3["placement"]["tensors_on_device"] > 0
+    # 2 ranks over gloo with staging: scenarios against plain torch, a checkpoint reloaded
+    ranks = checks["ranks/2-torchrun"]["numbers"]
+    assert ranks["s2"]["rel_diff"] <= 1e-5 and "zpp_qgz" in ranks and "ckpt" in ranks
+    # the engine's bf16 stage-3 step was profiled (synchronizations: n/a on the CPU)
+    profile = checks["bench/zero-s3-bf16"]["numbers"]["profile"]
+    assert profile["steps"] == 2 and profile["syncs_goal"] == 0
+    assert profile["syncs_per_step_profiler"] == "n/a (cpu)"
+    md = (out / "gpu_check.md").read_text()
+    assert "Profiled steps" in md and "| zero-s3-bf16 |" in md
 
 
 def test_the_kit_refuses_cuda_without_a_gpu():

@@ -1,29 +1,64 @@
 """The GPU kit's bench checks: median step time and peak memory of the examples/gpt.py GPT
 trained by plain torch (AdamW foreach / fused, bf16 autocast) and by zero-core (stages,
-precision, optimizer offload), optionally with a torch.profiler summary of two steps.
+precision, optimizer offload), with a torch.profiler summary of two steps for the rows in
+PROFILED (every row with ``--profile``): host time, device busy time, kernel launches and
+host-device synchronizations per step. Synchronizations are counted twice: the profiler's
+blocking CUDA runtime calls (SYNC_CALLS) and torch.cuda.set_sync_debug_mode("warn")'s
+warnings; the engine's goal is 0 per step (tests/test_sync_free_step.py counts 0 on the
+vdev device). Profiled steps feed batches as a training loop with pin_memory=True does
+(pinned, moved non-blocking) and do not read the loss.
 """
 from __future__ import annotations
 
 import math
 import statistics
 import time
+import warnings
 
 from check_support import (Ctx, gpt_module, import_torch, learnable_batches, release_memory,
                            runtime, synchronize)
 
 
+#: CUDA runtime calls that block the host on the device (as the profiler names them)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy")
+
+
+def count_sync_warnings(ctx: Ctx, fn) -> int | None:
+    """Run *fn*; the synchronizations torch.cuda's sync debug mode warns about during it
+    (None on the CPU: host and device are one there)."""
+    if not ctx.cuda:
+        fn()
+        return None
+    torch = import_torch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
 def profile_steps(ctx: Ctx, step, batches, top: int = 15) -> dict:
     """torch.profiler over *batches* (one step each): wall time, the device's busy time
-    (kernels and copies), launches, and the ops with the most self time on the host and on
-    the device -- where a step's time goes when it is slower than plain torch."""
+    (kernels and copies), launches, synchronizations, and the ops with the most self time on
+    the host and on the device -- where a step's time goes when it is slower than plain
+    torch."""
     from torch.profiler import ProfilerActivity, profile
+    torch = import_torch()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
-    dev = import_torch().device(ctx.device)
+    dev = torch.device(ctx.device)
+    # as a DataLoader(pin_memory=True) hands them over: pinned, moved without blocking
+    host = [(x.pin_memory(), y.pin_memory()) if ctx.cuda else (x, y) for x, y in batches]
     synchronize(ctx)
+    warned = []
     t0 = time.perf_counter()
     with profile(activities=activities) as prof:
-        for x, y in batches:
-            step(x.to(dev), y.to(dev))
+        for x, y in host:
+            warned.append(count_sync_warnings(ctx, lambda: step(
+                x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))))
         synchronize(ctx)
     wall_ms = 1e3 * (time.perf_counter() - t0) / len(batches)
     events = prof.key_averages()
@@ -45,9 +80,16 @@ def profile_steps(ctx: Ctx, step, batches, top: int = 15) -> dict:
     busy_ms = sum(device_us(e) for e in on_device) / 1e3 / len(batches)
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                                          "cudaLaunchKernelExC"))
+    # the profiled window ends with one synchronize of ours: not the step's
+    blocking = sum(e.count for e in events if e.key in SYNC_CALLS) - (1 if ctx.cuda else 0)
     return {"steps": len(batches), "wall_ms_per_step": round(wall_ms, 2),
             "device_busy_ms_per_step": round(busy_ms, 2),
             "kernel_launches_per_step": int(launches) // len(batches),
+            "syncs_per_step_profiler": (round(max(blocking, 0) / len(batches), 2) if ctx.cuda
+                                        else "n/a (cpu)"),
+            "syncs_per_step_debug_mode": (round(sum(warned) / len(warned), 2) if ctx.cuda
+                                          else "n/a (cpu)"),
+            "syncs_goal": 0,
             "top_device": [row(e) for e in sorted(ops, key=device_us, reverse=True)[:top]],
             "top_host": [row(e) for e in sorted(ops, key=lambda e: e.self_cpu_time_total,
                                                 reverse=True)[:top]]}
@@ -57,6 +99,9 @@ BENCH = ["torch-fp32", "torch-fp32-fused", "torch-bf16-autocast", "zero-s0-fp32"
          "zero-s2-fp32", "zero-s3-fp32", "zero-s2-bf16", "zero-s3-bf16",
          "zero-s2-bf16-offopt-cpu"]
 QUICK_BENCH = ["torch-fp32", "zero-s2-fp32", "zero-s3-bf16"]
+#: rows profiled without --profile: the engine's stages in bf16 (the step-time goal is
+#: 1.15x plain torch's bf16 autocast step) and that reference
+PROFILED = ("torch-bf16-autocast", "zero-s0-fp32", "zero-s1-fp32", "zero-s2-bf16", "zero-s3-bf16")
 
 
 def bench_sizes(ctx: Ctx) -> dict:
@@ -84,7 +129,7 @@ def run_bench(ctx: Ctx, contender: str) -> dict:
     b = bench_sizes(ctx)
     gpt = gpt_module()
     release_memory(ctx)
-    profiled = 2 if ctx.profile else 0
+    profiled = 2 if ctx.profile or contender in PROFILED else 0
     batches = learnable_batches(b["warmup"] + b["steps"] + profiled, b["micro"], b["seq"], 256,
                                 ctx.seed)
     acc.reset_peak_memory_stats()

@@ -21,7 +21,13 @@ What runs (ci/gpu/check_plan.py lists the checks; each is defined, with its boun
   curve, gradient norm) plus a check that engine tensors are where the config says;
 * checkpoint/ -- saved on the GPU, loaded by a second engine on the cpu accelerator in
   another process, weights and optimizer states compared bit for bit;
-* bench/ -- step time and peak memory of the examples/gpt.py GPT against torch.optim.AdamW.
+* ranks/ -- 2 and 4 ranks sharing the one GPU over gloo and MPI with device staging (NCCL
+  refuses two ranks on one device): stages, bf16, qwZ/hpZ/qgZ through the Triton kernels,
+  offload, a checkpoint saved by 2 GPU ranks and loaded by 4, against plain torch
+  (ranks_checks.py);
+* bench/ -- step time and peak memory of the examples/gpt.py GPT against torch.optim.AdamW,
+  with a torch.profiler summary (host time, device busy time, launches, synchronizations
+  per step) of the engine's stages and plain torch's bf16 step.
 
 Each check is independent: checks run in worker processes per group (``--worker``); a check
 that raises is recorded as failed with its traceback's last lines; a worker that crashes or
@@ -383,6 +389,19 @@ def markdown(report: dict) -> str:
                   if base and base["peak_MiB"] else "")
             lines.append(f"| {r['name'][6:]} | {n['parameters']:,} | {n['median_step_ms']} | {rt} "
                          f"| {n['peak_MiB']} | {rm} | {n['loss_first']} → {n['loss_last']} |")
+        profiled = [r for r in bench if "profile" in r["numbers"]]
+        if profiled:
+            lines += ["", "Profiled steps (torch.profiler; goals: zero-s2/s3-bf16 within 1.15× of "
+                          "torch-bf16-autocast above, 0 synchronizations per step):", "",
+                      "| contender | host ms/step | device busy ms/step | launches/step | "
+                      "syncs/step (profiler) | syncs/step (sync debug mode) |",
+                      "|---|---:|---:|---:|---:|---:|"]
+            for r in profiled:
+                q = r["numbers"]["profile"]
+                lines.append(f"| {r['name'][6:]} | {q['wall_ms_per_step']} | "
+                             f"{q['device_busy_ms_per_step']} | {q['kernel_launches_per_step']} | "
+                             f"{q.get('syncs_per_step_profiler', '')} | "
+                             f"{q.get('syncs_per_step_debug_mode', '')} |")
     failed = [r for r in results if r["status"] == "fail"]
     if failed:
         lines += ["", "Failures:", ""]

@@ -30,6 +30,7 @@ from conformance_checks import check_conformance_cli, check_conformance_preinit
 from engine_cases import checkpoint_cases, engine_cases
 from engine_checks import run_engine_case
 from kernel_checks import check_optim_fused, check_quant_bandwidth, check_quant_triton
+from ranks_checks import cases as ranks_cases, run_ranks_case
 
 
 @dataclass(frozen=True)
@@ -59,4 +60,8 @@ def plan(ctx: Ctx) -> list[Check]:
     for contender in (QUICK_BENCH if ctx.quick else BENCH):
         checks.append(Check(f"bench/{contender}", "engine", 150,
                             lambda c, contender=contender: run_bench(c, contender)))
+    # last: when the budget runs out, the multi-rank launches are what is skipped
+    for nprocs, launcher in ranks_cases(ctx):
+        checks.append(Check(f"ranks/{nprocs}-{launcher}", "ranks", 240,
+                            lambda c, n=nprocs, la=launcher: run_ranks_case(c, n, la)))
     return checks
