@@ -43,7 +43,7 @@ from zero_core.checkpoint.engine_state import layout_fragments, parameter_names
 from zero_core.engine.step_stats import (all_reduce_step_stats, batches_differ,
                                          raise_batch_mismatch)
 from zero_core.interfaces.ledger import CommLedger
-from zero_core.optim.grad_norm import CHUNK
+from zero_core.optim.grad_norm import CHUNK, PieceNorms
 from zero_core.optim.loss_scaler import LossScaleUnderflowError, underflow_message
 from zero_core.optim.nonfinite import NonFiniteGradientError
 
@@ -51,9 +51,6 @@ log = logging.getLogger("zero_core.engine")
 
 # the verdict's fields, in the order of its float64 vector
 FIELDS = ("sumsq", "norm", "factor", "skip", "nonfinite", "differ", "underflow")
-# low-precision pieces longer than this are widened through one reused float32 buffer (the
-# rest go to one _foreach_norm call): bounds the temporary, as grad_norm.py explains
-_STAGED = 1 << 16
 
 
 class GradPieces:
@@ -69,7 +66,7 @@ class GradPieces:
         self._key = None
         self.pieces: list[torch.Tensor] = []
         self.owners: list[int] = []        # piece -> parameter index (named_parameters order)
-        self._staging = None
+        self._norms: PieceNorms | None = None
 
     def _build(self, buffers) -> None:
         self.pieces, self.owners = [], []
@@ -85,6 +82,7 @@ class GradPieces:
                 for lo in range(0, t.numel(), CHUNK):
                     self.pieces.append(t[lo:lo + CHUNK])
                     self.owners.append(self.order[f.name])
+        self._norms = PieceNorms(self.pieces)
 
     def norms(self, buffers) -> torch.Tensor:
         """The L2 norm of every piece: a float32 vector on the gradients' device."""
@@ -95,21 +93,7 @@ class GradPieces:
         if not self.pieces:
             device = buffers[0].master.data.device if buffers else torch.device("cpu")
             return torch.zeros(0, dtype=torch.float32, device=device)
-        big = [i for i, p in enumerate(self.pieces) if p.element_size() < 4 and p.numel() > _STAGED]
-        if not big:
-            return torch.stack(torch._foreach_norm(self.pieces, 2, dtype=torch.float32))
-        out: list = [None] * len(self.pieces)
-        small = [i for i in range(len(self.pieces)) if i not in set(big)]
-        if small:
-            for i, n in zip(small, torch._foreach_norm([self.pieces[i] for i in small], 2,
-                                                       dtype=torch.float32)):
-                out[i] = n
-        for i in big:
-            p = self.pieces[i]
-            if self._staging is None or self._staging.device != p.device:
-                self._staging = torch.empty(CHUNK, dtype=torch.float32, device=p.device)
-            out[i] = torch.linalg.vector_norm(self._staging[:p.numel()].copy_(p))
-        return torch.stack(out)
+        return self._norms()
 
     def first_nonfinite(self, norms: list[float]) -> int:
         """Index (``named_parameters`` order) of the first parameter whose piece norm is
