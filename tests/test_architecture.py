@@ -237,7 +237,7 @@ STAGES = ("zero_core.stage0to2", "zero_core.stage3")
 # features built on the engine, the test tools and the command line
 ABOVE_ENGINE = ("zero_core", "zero_core.factory", ENGINE_ROOM, "zero_core.generation",
                 "zero_core.integrations", "zero_core.testing", "zero_core.cli",
-                "zero_core.conformance")
+                "zero_core.conformance", "zero_core.data")
 
 
 def _below_engine(module: str) -> bool:

@@ -121,6 +121,30 @@ def init_torch_distributed(launch, backend: str, timeout: float, device=None) ->
     kwargs = {}
     if device is not None and device.type != "cpu":
         kwargs["device_id"] = device
-    dist.init_process_group(backend=backend, init_method="env://", rank=launch.rank,
-                            world_size=launch.world_size,
+    store = _elastic_attempt_store(launch, timeout)
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(backend=backend, rank=launch.rank, world_size=launch.world_size,
                             timeout=datetime.timedelta(seconds=timeout), **kwargs)
+
+
+def _elastic_attempt_store(launch, timeout: float):
+    """Under torchrun's elastic agent (which keeps one store for all restarts of the
+    workers): the agent's store with a prefix of this restart, or None elsewhere.
+
+    Why: with torch's own env:// rendezvous, the first restart after a worker was killed
+    often fails in gloo's connectFullMesh with "Connection refused" — the new ranks find
+    addresses the killed attempt published (reproduced with plain torch 2.13 and
+    ``--rdzv-backend c10d``). Keys of this attempt under their own prefix cannot meet the
+    dead attempt's."""
+    import torch.distributed as dist
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                launch.world_size, False,
+                                timeout=datetime.timedelta(seconds=timeout))
+    return dist.PrefixStore(f"/zero_core/{run}/attempt_{attempt}", agent_store)

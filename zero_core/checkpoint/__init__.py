@@ -4,7 +4,12 @@
   finished directory, ``latest``, verification;
 - engine_state.py — an engine's state as fragments: what each rank saves, which saved
   ranges it reads on load (any world size, any stage);
-- save_load.py — the collective save and load procedures (RNG, ``common.pt``, checks);
+- save_load.py — the save and load procedures of an engine (RNG, ``common.pt``, checks);
+- collective_save.py — the phases of a save and every rank's agreement after each;
+- background.py — async saves: a host snapshot written by a thread, committed at a step;
+- schedule.py — periodic saves, ``keep_last``, and the data position checkpoints carry;
+- history.py — the complete checkpoints of a directory, newest first; pruning;
+- resume.py — ``checkpoint.resume``: pick the newest, keep the global batch, load;
 - convert.py — ``zero-core convert``: one consolidated safetensors state dict (also from a
   DeepSpeed directory);
 - tags.py — ``checkpoint.tag_validation``: do all ranks save under the same tag;

@@ -3,14 +3,9 @@
 
 Saving: each rank writes its fragments (engine_state.py) and RNG states into its shard
 through the atomic store (store.py); rank 0 also writes the buffers and ``common.pt``; the
-directory becomes visible only when complete. :func:`save_files` runs the phases of a
-collective save (create ``.<tag>.partial``, every rank writes, rank 0 finishes) with an
-agreement after each that every rank reaches whatever happened: one all-reduce when all
-went well; after a failure anywhere (a full disk, a read-only or vanished directory, an
-exception in the caller's writer) the ranks exchange what failed, rank 0 removes the
-partial files, and every rank raises the same CheckpointError naming the failed ranks and
-the cause (:func:`failure_cause`, from the errno) — at once, not after a timeout — and can
-go on training. Only a rank that dies mid-save leaves its partial directory behind.
+directory becomes visible only when complete. The phases and the agreement of every rank
+after each are collective_save.py's; :class:`RankState` is what one rank writes, taken at
+the call (and copied to host memory for an async save: background.py).
 
 Loading: every rank reads the manifest, plans which saved fragments overlap what it owns
 now, copies them in, then lets the stage rebuild what is derived (``subject.restored()``).
@@ -26,15 +21,15 @@ the world size is unchanged (a different number of ranks cannot continue the sam
 """
 from __future__ import annotations
 
-import errno
+import io
 import json
 import os
 import random
-from typing import Callable
 
 import torch
 
 from zero_core.checkpoint import store
+from zero_core.checkpoint.collective_save import SaveJob, peer_failed
 from zero_core.checkpoint.deepspeed_layout import deepspeed_tag_dir
 from zero_core.checkpoint.deepspeed_resume import load_deepspeed
 from zero_core.checkpoint.engine_state import (WEIGHT_KEYS, fragment_index, parameter_names,
@@ -157,180 +152,144 @@ def _few(names: list, n: int = 5) -> str:
     return ", ".join(repr(x) for x in names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
-# ---- the collective save of a directory ------------------------------------------------------
-#: errno name -> (the cause in words, what to do about it)
-_CAUSES = {
-    **dict.fromkeys(("ENOSPC", "EDQUOT"), (
-        "disk full", "free space on that file system (or raise the quota), or save to "
-        "another directory")),
-    **dict.fromkeys(("EACCES", "EPERM", "EROFS"), (
-        "permission denied / read-only file system", "make the directory writable for the "
-        "user running the job, or save to another directory")),
-    **dict.fromkeys(("ENOENT", "ENOTDIR"), (
-        "directory missing", "something removed or renamed the directory during the save (a "
-        "cleanup job? another run saving there?), or save_dir is not one directory that every "
-        "rank sees; make sure it exists for all ranks")),
-}
-
-
-def failure_cause(exc: BaseException) -> tuple[str, str, str]:
-    """``(cause, detail, what to do)`` for a failed write, in words. The first ``OSError``
-    with an errno in *exc*'s chain (``__cause__``/``__context__``) decides: ``("disk full
-    (ENOSPC)", "No space left on device: <path>", ...)``; anything else is named by its type
-    and message (detail ``""``)."""
-    seen, e = set(), exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno:
-            name = errno.errorcode.get(e.errno, f"errno {e.errno}")
-            words, fix = _CAUSES.get(name, (e.strerror or "I/O error",
-                                            "fix that file system error"))
-            where = f": {os.fsdecode(e.filename)}" if e.filename is not None else ""
-            return f"{words} ({name})", f"{e.strerror or e}{where}", fix
-        e = e.__cause__ or e.__context__
-    return (f"{type(exc).__name__}: {exc}", "",
-            "that error is not the file system's: fix what it names, or report it as a bug")
-
-
-class _Save:
-    """One collective save: its paths, its phases, and the agreement all ranks reach after
-    each phase (:meth:`agree`), which turns any rank's failure into the same error on every
-    rank at once and removes what the save wrote."""
-
-    def __init__(self, comm, save_dir: str, tag: str, save_latest: bool):
-        self.comm, self.save_dir, self.tag, self.save_latest = comm, save_dir, tag, save_latest
-        self.final = os.path.join(save_dir, tag)
-        self.partial = os.path.join(save_dir, f".{tag}.partial")
-        self.latest_tmp = os.path.join(save_dir, store.LATEST + ".tmp")
-        self.moved = False  # rank 0: the finished directory is in place
-
-    def run(self, write_files, index, metadata: dict) -> str:
-        rank, failure = self.comm.rank, None
-        if rank == 0:
-            try:
-                os.makedirs(self.save_dir, exist_ok=True)
-                store.remove_path(self.partial)  # left behind by a save that died
-                os.makedirs(self.partial)
-            except Exception as exc:
-                failure = self._failure("creating the save directory", exc)
-        self.agree(failure)
-        payload = b""
-        try:
-            files = {name: {"sha256": sha, "bytes": size}
-                     for name, (sha, size) in write_files(self.partial).items()}
-            payload = json.dumps({"files": files, "index": index}).encode()
-        except Exception as exc:  # a full disk, a vanished directory, a bug: all reported
-            failure = self._failure("writing its files", exc)
-        self.agree(failure)
-        gathered = [json.loads(b) for b in store.all_gather_bytes(self.comm, payload)]
-        if rank == 0:
-            try:
-                self._finish(gathered, metadata)
-            except Exception as exc:
-                failure = self._failure("finishing the save", exc)
-        self.agree(failure)
-        return self.final
-
-    def _finish(self, gathered: list, metadata: dict) -> None:
-        meta = dict(metadata)
-        meta.update(format_version=store.FORMAT_VERSION, tag=self.tag,
-                    world_size=self.comm.world_size,
-                    files={name: info for g in gathered for name, info in g["files"].items()},
-                    ranks=[g["index"] for g in gathered])
-        store.write_file_atomic(os.path.join(self.partial, store.METADATA),
-                                json.dumps(meta, indent=1, sort_keys=True).encode())
-        store.fsync_dir(self.partial)
-        if self.save_latest:  # before the move: a full disk stops the save before any change
-            store.write_file(self.latest_tmp, self.tag.encode())
-        store.move_into_place(self.save_dir, self.tag, self.partial, self.final)
-        self.moved = True
-        if self.save_latest:
-            os.replace(self.latest_tmp, os.path.join(self.save_dir, store.LATEST))
-        store.fsync_dir(self.save_dir)
-
-    def _failure(self, phase: str, exc: BaseException) -> dict:
-        cause, detail, fix = failure_cause(exc)
-        return {"rank": self.comm.rank, "phase": phase, "cause": cause, "detail": detail,
-                "fix": fix}
-
-    def agree(self, failure: dict | None) -> None:
-        """Collective, on every rank after every phase, failed or not: return if no rank
-        failed; else exchange the failures, let rank 0 remove the partial files (every rank
-        is here, so nobody still writes into them) and raise the same CheckpointError on
-        every rank. One all-reduce when all went well."""
-        if store.all_ranks_ok(self.comm, failure is None):
-            return
-        failures = [f for f in (json.loads(b) for b in store.all_gather_bytes(
-            self.comm, json.dumps(failure).encode())) if f]
-        cleanup = json.dumps(self._clean_up()).encode() if self.comm.rank == 0 else b""
-        raise CheckpointError(self._message(failures, json.loads(
-            store.all_gather_bytes(self.comm, cleanup)[0])))
-
-    def _clean_up(self) -> dict:
-        try:
-            if not self.moved:
-                store.remove_path(self.partial)
-            store.remove_path(self.latest_tmp)
-            store.fsync_dir(self.save_dir)
-            error = ""
-        except OSError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        return {"moved": self.moved, "error": error}
-
-    def _message(self, failures: list, cleanup: dict) -> str:
-        ranks = [f["rank"] for f in failures]
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-        what = "; ".join(f"rank {f['rank']}, {f['phase']}: {f['cause']}"
-                         + (f", {f['detail']}" if f["detail"] else "") for f in failures)
-        fixes = list(dict.fromkeys(f["fix"] for f in failures))
-        if cleanup["moved"]:
-            state = (f"Checkpoint '{self.tag}' itself is complete in {self.final}, but "
-                     f"'{store.LATEST}' could not be updated and still names the previous one: "
-                     f"load this one with tag='{self.tag}'")
-        else:
-            gone = ("are gone" if not cleanup["error"] else
-                    f"could not all be removed ({cleanup['error']}): remove them by hand")
-            state = (f"The save's partial files ({self.partial}) {gone}; the previous "
-                     f"checkpoint and '{store.LATEST}' in {self.save_dir} are unchanged")
-        return (f"saving checkpoint '{self.tag}' in {self.save_dir} failed on {who}: {what}. "
-                f"{state}. Every rank can go on training and save again; to fix: "
-                f"{'; '.join(fixes)}")
-
-
-def save_files(comm, save_dir: str, tag: str, write_files: Callable[[str], dict], index,
-               metadata: dict, save_latest: bool = True) -> str:
-    """Collective: write checkpoint *tag* into *save_dir*; returns its final directory.
-
-    *write_files(directory)* writes this rank's files into *directory* and returns
-    ``{file name: (sha256, bytes)}``. *index* (JSON-able) is this rank's contribution to
-    the metadata: the list of every rank's is stored as ``metadata["ranks"]``. *metadata*
-    is read on rank 0 after every rank's *write_files* returned (so it may fill it).
-
-    Any failure on any rank (an exception in *write_files* included) raises the same
-    :class:`CheckpointError` on every rank as soon as all reach the phase's agreement,
-    naming the ranks, the cause (disk full, permission, directory missing: from the errno)
-    and the file; the partial files are removed and the previous checkpoint and ``latest``
-    are unchanged, and the ranks can go on. A rank that dies makes the others fail in a
-    collective (within the communicator's timeout); its partial directory stays until the
-    next save of the tag.
-    """
-    job = _Save(comm, save_dir, store.check_tag(tag), save_latest)
-    try:
-        return job.run(write_files, index, metadata)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # a collective failed: a peer died or timed out
-        raise CheckpointError(
-            f"saving checkpoint '{job.tag}' in {save_dir} failed on rank {comm.rank}: a "
-            f"collective with the other ranks failed ({type(exc).__name__}: {exc}). Another "
-            f"rank probably died or stopped while writing; the previous checkpoint and "
-            f"'{store.LATEST}' in {save_dir} are unchanged (the unfinished .{job.tag}.partial "
-            f"is removed by the next save of this tag)") from exc
-
-
 # ---- save ----------------------------------------------------------------------------------------
+class RankState:
+    """What one rank writes into a checkpoint, taken at the call: its fragments as one flat
+    column per (state key, dtype) — views of the live state, or host copies after
+    :meth:`snapshot` (an async save) — its RNG states, and on rank 0 the module's buffers,
+    ``common.pt`` (serialized at once) and the metadata."""
+
+    def __init__(self, subject, client_state):
+        self.subject, self.client_state, self.rank = subject, client_state, subject.rank
+        fragments = subject.fragments("save")
+        self.fragments = fragments
+        # one flat tensor per (key, dtype): fragments are streamed into it, never concatenated
+        self.columns: dict[str, list] = {}
+        records = []
+        for f in fragments:
+            keys = {}
+            for key, view in f.tensors.items():
+                col = f"{key}.{dtype_name(view.dtype)}"
+                pieces = self.columns.setdefault(col, [])
+                offset = sum(v.numel() for v in pieces)
+                pieces.append(view)
+                keys[key] = [col, offset]
+            prev = records[-1] if records else None
+            if (prev is not None and prev[0] == f.name and prev[2] == f.start
+                    and prev[3].keys() == keys.keys()
+                    and all(prev[3][k][0] == c and prev[3][k][1] + prev[2] - prev[1] == o
+                            for k, (c, o) in keys.items())):
+                prev[2] = f.end  # a parameter crossing a bucket border: one record
+            else:
+                records.append([f.name, f.start, f.end, keys])
+        self.index = {"file": store.shard_name(self.rank), "fragments": records}
+        self.rng_tensors, self.rng_plain = capture_rng(subject.device)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.common = b""
+        self.metadata: dict = {}
+        self.ready = None  # an async save's device event: the snapshot's copies are done
+
+    def prepare(self) -> None:
+        """Rank 0: describe the model, serialize ``common.pt``, fill the metadata (in the
+        save's first phase, so that a failure — client_state that cannot be stored — is
+        agreed by every rank)."""
+        if self.rank != 0:
+            return
+        described = describe_model(self.subject.module)
+        named = dict(self.subject.module.named_buffers())
+        self.buffers = {n: named[n].detach() for n in described["buffers"]}
+        buf = io.BytesIO()
+        torch.save(common_state(self.subject, self.client_state), buf)
+        self.common = buf.getvalue()
+        self.metadata = engine_metadata(self.subject, described, self.fragments)
+
+    def snapshot(self, cache: dict) -> None:
+        """Replace the views by host copies (an async save), reusing *cache*'s buffers
+        (name -> tensor) between saves. Device copies are non-blocking into pinned memory;
+        :attr:`ready` is the event the writer waits for. Refuses (CheckpointError) a
+        snapshot larger than the host memory available."""
+        device = self.subject.device
+        pin = device.type != "cpu"
+        wanted = {col: (sum(v.numel() for v in views), views[0].dtype)
+                  for col, views in self.columns.items()}
+        wanted.update({"buffer." + n: (t.numel(), t.dtype) for n, t in self.buffers.items()})
+        need = sum(n * torch.empty((), dtype=d).element_size() for name, (n, d) in wanted.items()
+                   if not _reusable(cache.get(name), n, d))
+        _check_host_memory(need, self.subject.rank)
+        host = {}
+        for col, views in self.columns.items():
+            n, dtype = wanted[col]
+            buf = _cached(cache, col, n, dtype, pin)
+            at = 0
+            for v in views:
+                buf[at:at + v.numel()].copy_(v.reshape(-1), non_blocking=pin)
+                at += v.numel()
+            host[col] = [buf]
+        self.columns = host
+        for name, t in list(self.buffers.items()):
+            buf = _cached(cache, "buffer." + name, t.numel(), t.dtype, pin)
+            buf.copy_(t.reshape(-1), non_blocking=pin)
+            self.buffers[name] = buf.view(t.shape)
+        if pin:
+            try:
+                self.ready = torch.Event(device=device)
+                self.ready.record()
+            except (RuntimeError, TypeError, AttributeError):
+                torch.get_device_module(device.type).synchronize()
+                self.ready = None
+
+    def write_files(self, directory: str) -> dict:
+        """Write this rank's files into *directory*; ``{file name: (sha256, bytes)}``."""
+        if self.ready is not None:
+            self.ready.synchronize()  # on the writer thread: training goes on meanwhile
+        entries = [TensorEntry(col, views[0].dtype, (sum(v.numel() for v in views),),
+                               lambda views=views: iter(views))
+                   for col, views in self.columns.items()]
+        entries += [TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: [t])
+                    for name, t in self.rng_tensors.items()]
+        entries += [TensorEntry("buffer." + n, t.dtype, tuple(t.shape), lambda t=t: [t])
+                    for n, t in self.buffers.items()]
+        name = store.shard_name(self.rank)
+        out = {name: store.write_safetensors(
+            os.path.join(directory, name), entries,
+            {"format": "zero-core-shard", "rank": str(self.rank),
+             "rng": json.dumps(self.rng_plain)})}
+        if self.rank == 0:
+            out[store.COMMON] = store.write_file(os.path.join(directory, store.COMMON),
+                                                 self.common)
+        return out
+
+
+def _reusable(buf, numel: int, dtype: torch.dtype) -> bool:
+    return buf is not None and buf.numel() == numel and buf.dtype == dtype
+
+
+def _cached(cache: dict, name: str, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    buf = cache.get(name)
+    if not _reusable(buf, numel, dtype):
+        buf = cache[name] = torch.empty(numel, dtype=dtype, pin_memory=pin)
+    return buf
+
+
+def _check_host_memory(need: int, rank: int) -> None:
+    """Refuse an async snapshot that would not fit the host's available memory (Linux's
+    MemAvailable; unknown elsewhere: allowed)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            info = dict(line.split(":", 1) for line in fh)
+        available = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return
+    if need > 0.9 * available:
+        raise CheckpointError(
+            f"an async save needs a host copy of rank {rank}'s state, {need / 2**30:.2f} GiB "
+            f"more host memory, and {available / 2**30:.2f} GiB are available: save with "
+            f"async_save=False (checkpoint.async_save false), which writes straight from the "
+            f"training state")
+
+
 def save_checkpoint(subject, save_dir: str, tag=None, client_state=None,
-                    save_latest: bool = True) -> str:
+                    save_latest: bool = True, background=None) -> str:
     """Collective: save the engine that *subject* (a ``CheckpointSubject``) shows as
     checkpoint *tag* (default ``global_step<N>``) in *save_dir*; returns the checkpoint's
     directory. See the module docstring.
@@ -338,57 +297,31 @@ def save_checkpoint(subject, save_dir: str, tag=None, client_state=None,
     *client_state* (plain data: dict, list, str, numbers, tensors) is rank 0's, as in
     DeepSpeed; :func:`load_checkpoint` returns it on every rank. Per-rank streams belong
     in the RNGs, which are saved per rank.
+
+    *background* (a :class:`~zero_core.checkpoint.background.BackgroundSaver`): an async
+    save — the state is copied to host memory here, written by a thread while training
+    goes on, and committed (metadata, rename, ``latest``) at a later collective point
+    (``background.poll()``/``wait()``); until then the directory is ``.<tag>.partial``.
     """
     tag = f"global_step{subject.counters['global_steps']}" if tag is None else str(tag)
-    rank = subject.rank
-    fragments = subject.fragments("save")
-    # one flat tensor per (key, dtype): fragments are streamed into it, never concatenated
-    columns: dict[str, list] = {}
-    records = []
-    for f in fragments:
-        keys = {}
-        for key, view in f.tensors.items():
-            col = f"{key}.{dtype_name(view.dtype)}"
-            pieces = columns.setdefault(col, [])
-            offset = sum(v.numel() for v in pieces)
-            pieces.append(view)
-            keys[key] = [col, offset]
-        prev = records[-1] if records else None
-        if (prev is not None and prev[0] == f.name and prev[2] == f.start
-                and prev[3].keys() == keys.keys()
-                and all(prev[3][k][0] == c and prev[3][k][1] + prev[2] - prev[1] == o
-                        for k, (c, o) in keys.items())):
-            prev[2] = f.end  # a parameter crossing a bucket border: one record
-        else:
-            records.append([f.name, f.start, f.end, keys])
-    rng_tensors, rng_plain = capture_rng(subject.device)
-    module = subject.module
-    metadata: dict = {}  # rank 0's, filled while writing: save_files reads it afterwards
+    state = RankState(subject, client_state)
+    job = SaveJob(subject.comm, save_dir, store.check_tag(tag), save_latest)
+    try:
+        if background is None:
+            job.begin(state.prepare)
+            payload, failure = job.write(state.write_files, state.index)
+            return job.commit(payload, failure, state.metadata)
 
-    def write_files(directory: str) -> dict:
-        # rank 0's own work is done in here, so that its failure reaches the agreement
-        described = describe_model(module) if rank == 0 else None
-        entries = [TensorEntry(col, views[0].dtype, (sum(v.numel() for v in views),),
-                               lambda views=views: iter(views))
-                   for col, views in columns.items()]
-        entries += [TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: [t])
-                    for name, t in rng_tensors.items()]
-        if rank == 0:
-            named = dict(module.named_buffers())
-            entries += [TensorEntry("buffer." + n, named[n].dtype, tuple(named[n].shape),
-                                    lambda n=n: [named[n].detach()])
-                        for n in described["buffers"]]
-        out = {store.shard_name(rank): store.write_safetensors(
-            os.path.join(directory, store.shard_name(rank)), entries,
-            {"format": "zero-core-shard", "rank": str(rank), "rng": json.dumps(rng_plain)})}
-        if rank == 0:
-            common = common_state(subject, client_state)
-            out[store.COMMON] = store.save_plain(os.path.join(directory, store.COMMON), common)
-            metadata.update(engine_metadata(subject, described, fragments))
-        return out
-
-    index = {"file": store.shard_name(rank), "fragments": records}
-    return save_files(subject.comm, save_dir, tag, write_files, index, metadata, save_latest)
+        def prepare():
+            state.prepare()
+            state.snapshot(background.buffers)
+        job.begin(prepare)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a collective failed: a peer died or timed out
+        raise peer_failed(job, subject.comm.rank, exc) from exc
+    background.start(job, state)
+    return job.final
 
 
 def common_state(subject, client_state) -> dict:
@@ -404,6 +337,7 @@ def common_state(subject, client_state) -> dict:
         "loss_scaler": (subject.loss_scaler.state_dict()
                         if subject.loss_scaler is not None else None),
         "client_state": client_state if client_state is not None else {},
+        "data": subject.data_state() if subject.data_state is not None else None,
     }
     check_plain(common["client_state"], "client_state")
     check_plain(common, "the engine's state")
@@ -433,6 +367,7 @@ def engine_metadata(subject, described: dict, fragments) -> dict:
                    "param": dtype_name(subject.compute_dtype)},
         "layout": layout,
         "counters": {k: int(v) for k, v in subject.counters.items()},
+        "batch": subject.batch,
         "common": store.COMMON, "buffers_in": store.shard_name(0),
     }
 
@@ -516,3 +451,5 @@ def _restore_common(subject, common: dict, states: bool, scheduler: bool, tag_di
         subject.lr_scheduler.load_state_dict(common["lr_scheduler"])
     if common.get("loss_scaler") is not None and subject.loss_scaler is not None:
         subject.loss_scaler.load_state_dict(common["loss_scaler"])
+    if common.get("data") is not None and subject.restore_data is not None:
+        subject.restore_data(common["data"])

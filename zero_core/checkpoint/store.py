@@ -11,9 +11,9 @@ Layout of ``<save_dir>``::
                               removed by the next save of the same tag (a save that fails
                               without a rank dying removes it at once)
 
-Saving is collective (``save_load.save_files``, which runs the phases, their agreement
+Saving is collective (``collective_save.SaveJob``, which runs the phases, their agreement
 and the clean-up of a failed save): rank 0 makes ``.<tag>.partial``; every rank writes its
-files into it with :func:`write_safetensors` / :func:`save_plain`, hashed while written;
+files into it with :func:`write_safetensors` / :func:`write_file`, hashed while written;
 rank 0 writes ``metadata.json`` and ``latest.tmp``, renames the directory into place
 (:func:`move_into_place`) and only then replaces ``latest``. Files are written with plain
 ``os.write`` calls (:class:`_FileWriter`), so that a full disk is an ``OSError`` with its
@@ -33,7 +33,6 @@ All ranks must see the same filesystem (a local disk for one node, a shared one 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -424,15 +423,6 @@ def raise_unless_loaded_everywhere(comm, error: Exception | None, what: str) -> 
 
 
 # ---- save ---------------------------------------------------------------------------------------
-def save_plain(path: str, obj) -> tuple[str, int]:
-    """torch.save *obj* (plain data and tensors only) to *path*; fsync; (sha256, bytes).
-    Serialized in memory first (it is small, replicated state), so that writing it is plain
-    file writes, whose failure names its cause (a full disk: ENOSPC)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return write_file(path, buf.getbuffer())
-
-
 def move_into_place(save_dir: str, tag: str, partial: str, final: str) -> None:
     """Rename the finished *partial* directory to *final* (replacing an earlier save of the
     tag; if that fails, the earlier one is put back)."""

@@ -73,6 +73,17 @@ comet.online                                                      null          
 comet.mode                                                        null          passed to comet_ml.start
 checkpoint.tag_validation                                         "Warn"        "Warn" | "Ignore" | "Fail": ranks saving
                                                                                 under different tags
+checkpoint.save_dir (zero-core)                                   null          directory of periodic saves and of resume
+checkpoint.save_interval_steps (zero-core)                        null          save every N optimizer steps (>= 1)
+checkpoint.save_interval_minutes (zero-core)                      null          save every T minutes (> 0; rank 0's clock)
+checkpoint.async_save (zero-core)                                 false         bool; periodic saves written in the
+                                                                                background (save_checkpoint's default)
+checkpoint.keep_last (zero-core)                                  null          complete checkpoints kept in save_dir
+                                                                                (>= 1; null: all)
+checkpoint.resume (zero-core)                                     "auto"        "auto" | "require" | "never": load the
+                                                                                newest checkpoint of save_dir at start
+checkpoint.resume_batch (zero-core)                               "keep_global" "keep_global" | "keep_micro": the batch
+                                                                                on another world size
 optimizer.type                                                    required      Adam | AdamW | SGD | Lamb (any case)
 optimizer.params.lr                                               1e-3          >= 0
 optimizer.params.betas (Adam, AdamW)                              [0.9, 0.999]  two numbers in [0, 1)
@@ -285,7 +296,8 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
                                         "buffer_size", "max_in_cpu"),
     "data_types": ("grad_accum_dtype", "param_dtype"),
     "torch_autocast": ("enabled", "dtype", "lower_precision_safe_modules"),
-    "checkpoint": ("tag_validation",),
+    "checkpoint": ("tag_validation", "save_dir", "save_interval_steps", "save_interval_minutes",
+                   "async_save", "keep_last", "resume", "resume_batch"),
     "tensorboard": ("enabled", "output_path", "job_name"),
     "csv_monitor": ("enabled", "output_path", "job_name"),
     "wandb": ("enabled", "group", "team", "project"),

@@ -293,9 +293,40 @@ def _tag_validation(path: str, value: Any) -> str:
     return mode
 
 
+RESUME_MODES = ("auto", "require", "never")
+RESUME_BATCH = ("keep_global", "keep_micro")
+
+
+def _choice(options):
+    def convert(path: str, value: Any) -> str:
+        word = _as_name(path, value).lower()
+        if word not in options:
+            raise _fail(path, value, f"expected one of {', '.join(map(repr, options))}"
+                                     f"{_suggest(word, options)}")
+        return word
+    return convert
+
+
 def _parse_checkpoint(raw: Any) -> CheckpointConfig:
     s = _Section(raw, "checkpoint", "checkpoint")
-    return CheckpointConfig(tag_validation=s.get("tag_validation", "WARN", _tag_validation))
+    cfg = CheckpointConfig(
+        tag_validation=s.get("tag_validation", "WARN", _tag_validation),
+        save_dir=s.get("save_dir", None, _optional(_as_name)),
+        save_interval_steps=s.get("save_interval_steps", None, _optional(_as_int), 1),
+        save_interval_minutes=s.get("save_interval_minutes", None, _optional(_as_float), 0.0,
+                                    None, True),
+        async_save=s.get("async_save", False, _as_bool),
+        keep_last=s.get("keep_last", None, _optional(_as_int), 1),
+        resume=s.get("resume", "auto", _choice(RESUME_MODES)),
+        resume_batch=s.get("resume_batch", "keep_global", _choice(RESUME_BATCH)))
+    periodic = cfg.save_interval_steps is not None or cfg.save_interval_minutes is not None
+    if periodic and cfg.save_dir is None:
+        raise _fail("checkpoint.save_dir", None, "save_interval_steps / save_interval_minutes "
+                    "save periodically into checkpoint.save_dir: give the directory")
+    if cfg.resume == "require" and cfg.save_dir is None:
+        raise _fail("checkpoint.save_dir", None, "resume \"require\" resumes from "
+                    "checkpoint.save_dir: give the directory")
+    return cfg
 
 
 def _nonfinite_action(path: str, value: Any) -> str:

@@ -76,9 +76,25 @@ class TorchAutocastConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     """DeepSpeed's ``checkpoint`` section. ``tag_validation``: "WARN" | "IGNORE" | "FAIL"
-    when ranks save under different tags (DeepSpeed's default WARN)."""
+    when ranks save under different tags (DeepSpeed's default WARN).
+
+    zero-core's own keys (checkpoint/periodic.py, checkpoint/resume.py): ``save_dir`` where
+    the engine saves by itself every ``save_interval_steps`` optimizer steps and/or
+    ``save_interval_minutes`` (rank 0's clock), in the background when ``async_save``;
+    ``keep_last`` complete checkpoints are kept (None: all); ``resume`` "auto" (load the
+    newest complete checkpoint in save_dir at initialize if there is one), "require" (it is
+    an error if there is none) or "never"; ``resume_batch`` "keep_global" (a different
+    world size keeps the saved global batch by changing the accumulation steps) or
+    "keep_micro" (the config's batch values apply as parsed)."""
 
     tag_validation: str = "WARN"
+    save_dir: str | None = None
+    save_interval_steps: int | None = None
+    save_interval_minutes: float | None = None
+    async_save: bool = False
+    keep_last: int | None = None
+    resume: str = "auto"
+    resume_batch: str = "keep_global"
 
 
 @dataclass(frozen=True)

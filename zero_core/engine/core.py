@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from zero_core.checkpoint.schedule import Checkpointing
 from zero_core.config import Config
 from zero_core.config.precision import dtype_name, torch_dtype
 from zero_core.engine.contract import StageParts
@@ -128,6 +129,9 @@ class ZeroEngine(torch.nn.Module):
         self._rule = self._update = None
         if not self.inference_only:
             self._build_training_parts(optimizer, groups, lr_scheduler)
+        # periodic and async saves, the data position (checkpoint/schedule.py)
+        self._saves = Checkpointing(config.checkpoint, self.comm)
+        self.resumed_client_state = None  # client_state of the checkpoint.resume load
         self._comm_mark = self.comm.ledger.snapshot()
         self._last_comm = CommLedger.difference(self._comm_mark, self._comm_mark)
 
@@ -293,6 +297,9 @@ class ZeroEngine(torch.nn.Module):
             self._optimizer_step()
             self.parts.after_update()
             self._backward_since_update = False
+            self.micro_steps += 1
+            self._saves.after_update(self.global_steps, self.save_checkpoint)
+            return
         self.micro_steps += 1
 
     def _optimizer_step(self):
@@ -448,6 +455,8 @@ class ZeroEngine(torch.nn.Module):
         """Remove the engine's hooks (the model keeps its current values; at stage 3 the
         parameters stay partitioned: gather them with GatheredParameters); close monitors."""
         self._settle()
+        self.wait_for_checkpoint()
+        self._saves.background.release()
         self._close()
         self.parts.destroy()
 
@@ -463,6 +472,7 @@ class ZeroEngine(torch.nn.Module):
         at stage 3 partitioned the way ``zero_core.Init`` leaves a model, from the fp32
         master where there is one (Stage3Parts.hand_back_model). Collective: every rank
         calls it. Do not use the engine afterwards."""
+        self.wait_for_checkpoint()
         module = self.parts.hand_back_model(self.module)
         self._close()
         return module
@@ -500,17 +510,34 @@ class ZeroEngine(torch.nn.Module):
         return True
 
     # ---- checkpoints (checkpoint/engine_state.py: format, resharding; save_load.py) ---------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        async_save=None):
         """Collective: save everything needed to resume into ``save_dir/tag`` (default tag
         ``global_step<N>``) atomically; returns that directory. A *tag* that differs across
-        ranks is handled as ``checkpoint.tag_validation`` says (checkpoint/tags.py)."""
+        ranks is handled as ``checkpoint.tag_validation`` says (checkpoint/tags.py).
+        *async_save* (default ``checkpoint.async_save``): written in the background and
+        committed later (checkpoint/background.py, :meth:`wait_for_checkpoint`)."""
         from zero_core.checkpoint.save_load import save_checkpoint
         from zero_core.checkpoint.tags import validate_tag
         self._settle(collective=True)
+        self.wait_for_checkpoint()  # one save in flight at a time
         if tag is not None:  # the default tag comes from global_steps, equal on every rank
             tag = validate_tag(self.comm, str(tag), self.config.checkpoint.tag_validation)
-        return save_checkpoint(self.checkpoint_subject(), save_dir, tag, client_state,
-                               save_latest)
+        in_background = self.config.checkpoint.async_save if async_save is None else async_save
+        final = save_checkpoint(self.checkpoint_subject(), save_dir, tag, client_state,
+                                save_latest, self._saves.background if in_background else None)
+        self._saves.saved(committed=not in_background)
+        return final
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Collective: wait for the async save in flight and commit it; returns its
+        directory (None if none was in flight). A failure of its background writes is
+        raised here (or at the step that commits it), on every rank."""
+        return self._saves.wait()
+
+    def track_data(self, sampler) -> None:
+        """Save *sampler*'s position with every checkpoint (ResumableSampler calls this)."""
+        self._saves.track_data(sampler)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False):
@@ -518,6 +545,7 @@ class ZeroEngine(torch.nn.Module):
         and stage; returns ``(checkpoint directory, client_state)``."""
         from zero_core.checkpoint.save_load import load_checkpoint
         self._settle(collective=True)
+        self.wait_for_checkpoint()
         return load_checkpoint(self.checkpoint_subject(), load_dir, tag, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
@@ -553,7 +581,11 @@ class ZeroEngine(torch.nn.Module):
                       "skipped_steps": self.skipped_steps},
             fragments=fragments, restored=restored,
             layout=lambda: self.parts.checkpoint_layout(self.module),
-            set_counters=set_counters)
+            set_counters=set_counters,
+            batch={"train_batch_size": self.config.train_batch_size,
+                   "micro_batch": self.config.train_micro_batch_size_per_gpu,
+                   "gradient_accumulation_steps": self.gradient_accumulation_steps},
+            data_state=self._saves.data_state, restore_data=self._saves.restore_data)
 
 
 def _leading_dim(args, kwargs) -> int:

@@ -234,3 +234,9 @@ class CheckpointSubject:
     restored: Callable[[], None]
     layout: Callable[[], list]
     set_counters: Callable[[int, int, int], None]
+    #: train_batch_size, micro batch, accumulation steps (resume compares the global batch)
+    batch: dict | None = None
+    #: the engine's data position (zero_core.data.ResumableSampler's state) or None; saved
+    #: in common.pt, handed back with ``restore_data(state)`` on load
+    data_state: Callable[[], dict | None] | None = None
+    restore_data: Callable[[dict], None] | None = None

@@ -37,7 +37,7 @@ import shutil
 
 import torch
 
-from zero_core.checkpoint.save_load import failure_cause
+from zero_core.checkpoint.collective_save import failure_cause
 from zero_core.checkpoint.store import TensorEntry, all_ranks_ok, write_safetensors
 from zero_core.errors import ConfigError, ZeroCoreError
 from zero_core.interfaces.communicator import all_gather_bytes
