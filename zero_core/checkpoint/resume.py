@@ -34,7 +34,7 @@ from typing import Callable
 
 from zero_core.checkpoint import store
 from zero_core.checkpoint.history import complete_checkpoints
-from zero_core.checkpoint.store import CheckpointError
+from zero_core.checkpoint.store import CheckpointError, CheckpointMismatchError
 from zero_core.errors import ConfigError
 
 
@@ -115,12 +115,15 @@ def load(plan: ResumePlan, module, load_checkpoint: Callable[[str, str], tuple])
     try:
         check_model(describe_model(module), plan.meta, where)
     except CheckpointError as exc:
-        raise CheckpointError(f"checkpoint.resume: {exc}. Resume with the model that was "
-                              f"saved, or give this model its own checkpoint.save_dir") from None
+        raise CheckpointMismatchError(f"checkpoint.resume: {exc}. Resume with the model that "
+                                      f"was saved, or give this model its own "
+                                      f"checkpoint.save_dir") from None
     failures = []
     for tag in plan.tags:
         try:
             return load_checkpoint(plan.save_dir, tag)
+        except CheckpointMismatchError:
+            raise  # another run's checkpoint: the older ones would not match either
         except CheckpointError as exc:
             failures.append(f"{tag}: {exc}")
             warnings.warn(f"checkpoint.resume: {tag} in {plan.save_dir} could not be loaded "

@@ -34,7 +34,8 @@ from zero_core.checkpoint.deepspeed_layout import deepspeed_tag_dir
 from zero_core.checkpoint.deepspeed_resume import load_deepspeed
 from zero_core.checkpoint.engine_state import (WEIGHT_KEYS, fragment_index, parameter_names,
                                                plan_reads)
-from zero_core.checkpoint.store import CheckpointError, TensorEntry, dtype_name
+from zero_core.checkpoint.store import (CheckpointError, CheckpointMismatchError, TensorEntry,
+                                        dtype_name)
 
 
 # ---- RNG ----------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ def check_model(described: dict, meta: dict, where: str) -> None:
             problems.append(f"buffer {n!r} has shape {saved['buffers'][n]['shape']} in the "
                             f"checkpoint but {b['shape']} in this model")
     if problems:
-        raise CheckpointError(f"{where} was saved from a different model: "
+        raise CheckpointMismatchError(f"{where} was saved from a different model: "
                               + "; ".join(problems[:6])
                               + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
 
@@ -425,16 +426,22 @@ def load_checkpoint(subject, load_dir: str, tag=None, load_optimizer_states: boo
     store.raise_unless_loaded_everywhere(subject.comm, error, f"checkpoint {tag_dir}")
     subject.restored()
     if not load_module_only:
-        _restore_common(subject, common, states, load_lr_scheduler_states, tag_dir)
+        _restore_common(subject, common, states, load_lr_scheduler_states, tag_dir,
+                        (meta.get("batch") or {}).get("gradient_accumulation_steps"))
         if rng_file:
             with store.SafetensorsReader(rng_reader_path) as reader:
                 restore_rng(reader, subject.device)
     return tag_dir, common.get("client_state", {})
 
 
-def _restore_common(subject, common: dict, states: bool, scheduler: bool, tag_dir: str) -> None:
-    subject.set_counters(int(common["global_steps"]), int(common["micro_steps"]),
-                         int(common["skipped_steps"]))
+def _restore_common(subject, common: dict, states: bool, scheduler: bool, tag_dir: str,
+                    saved_accumulation: int | None = None) -> None:
+    micro_steps = int(common["micro_steps"])
+    if saved_accumulation not in (None, subject.gradient_accumulation_steps):
+        # saved with other accumulation steps (a resume on another world size keeping the
+        # global batch): the next micro-step starts a window of the new length
+        micro_steps = int(common["global_steps"]) * subject.gradient_accumulation_steps
+    subject.set_counters(int(common["global_steps"]), micro_steps, int(common["skipped_steps"]))
     opt = subject.optimizer
     if states:
         groups = common["optimizer"]["groups"]

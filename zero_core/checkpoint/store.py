@@ -62,6 +62,11 @@ class CheckpointError(ZeroCoreError):
     """A checkpoint is missing, damaged or does not match what is being loaded."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """A sound checkpoint that belongs to another run: another model, other data. Resuming
+    does not fall back to an older checkpoint for it (they would not match either)."""
+
+
 def shard_name(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from zero_core.checkpoint.store import CheckpointError
+from zero_core.checkpoint.store import CheckpointMismatchError
 
 
 class ResumableSampler(Sampler):
@@ -106,7 +106,7 @@ class ResumableSampler(Sampler):
         if self.shuffle and int(state["seed"]) != self.seed:
             problems.append(f"the shuffling seed was {state['seed']}, now {self.seed}")
         if problems:
-            raise CheckpointError(
+            raise CheckpointMismatchError(
                 "the checkpoint's data position does not match this data: "
                 + "; ".join(problems) + ". Resuming would skip or repeat samples: use the "
                 "same dataset and sampler settings as the saved run, or start this data in "
