@@ -12,6 +12,7 @@ to the ZeRO formula) and communication report (bytes per collective, from the le
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -63,6 +64,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: OMP_NUM_THREADS, else cores / local ranks)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (summary lines only)")
+    p.add_argument("--save-dir", default=None,
+                   help="save checkpoints here and resume from the newest one at start "
+                        "(a restarted job carries on: see README 'When a rank dies')")
+    p.add_argument("--save-interval", type=int, default=50, help="optimizer steps between saves")
+    p.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background while training goes on")
+    p.add_argument("--step-log", default=None,
+                   help="rank 0 appends one JSON line per optimizer step (step, loss, time)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.micro_batch < 1 or args.grad_accum < 1:
         p.error("--steps, --micro-batch and --grad-accum must be at least 1")
@@ -102,6 +111,9 @@ def build_config(args: argparse.Namespace) -> dict:
                                         zero_hpz_partition_size=_ranks_per_node())
     if args.mics != -1:
         cfg["zero_optimization"]["mics_shard_size"] = args.mics
+    if args.save_dir:
+        cfg["checkpoint"] = {"save_dir": args.save_dir, "save_interval_steps": args.save_interval,
+                             "async_save": args.async_save, "keep_last": 2}
     if args.offload != "none":
         if args.stage == 0:
             raise SystemExit("--offload needs --stage 1, 2 or 3")
@@ -291,7 +303,11 @@ def main(argv=None) -> dict:
 
     text = load_stdlib_text()
     seq_len = model.cfg.block_size
-    sampler = GlobalBatchSampler(text.train, seq_len, args.micro_batch, world, args.grad_accum,
+    # a resumed run may accumulate more steps than asked (the global batch is kept on fewer
+    # ranks): the engine's value counts; the data of a step depend only on the step
+    grad_accum = engine.gradient_accumulation_steps
+    first_step = engine.global_steps  # > 0 when checkpoint.resume loaded a checkpoint
+    sampler = GlobalBatchSampler(text.train, seq_len, args.micro_batch, world, grad_accum,
                                  seed=args.seed)
     val_x, val_y = validation_batches(text.val, seq_len, args.val_sequences)
     eval_model = getattr(engine, "module", model)
@@ -305,23 +321,24 @@ def main(argv=None) -> dict:
         f"ZeRO stage {args.stage}, {args.precision}, {world} ranks, "
         f"communicator {zero_core.get_runtime().comm.name!r}")
     say(f"data: {text}; global batch {sampler.global_batch} x {seq_len} tokens "
-        f"({args.micro_batch}/rank x {args.grad_accum} accumulation)")
+        f"({args.micro_batch}/rank x {grad_accum} accumulation)")
     val_start = validation_loss(eval_model, val_x, val_y, rank, world)
     say(f"validation loss at start: {val_start:.3f}")
 
     bar = ProgressBar(args.steps, enabled=is_main and not args.quiet)
+    step_log = open(args.step_log, "a") if args.step_log and is_main else None
     losses, step_times = [], []
     model.train()
     t_start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         t0 = time.perf_counter()
         step_loss = 0.0
-        for micro in range(args.grad_accum):
+        for micro in range(grad_accum):
             x, y = sampler.rank_batch(step, rank, micro)
             loss = lm_loss(engine(x), y.to(engine.device))
             engine.backward(loss)
             engine.step()  # DeepSpeed semantics: steps the optimizer at the accumulation boundary
-            step_loss += loss.item() / args.grad_accum
+            step_loss += loss.item() / grad_accum
         step_loss = mean_over_ranks(step_loss)
         dt = time.perf_counter() - t0
         losses.append(step_loss)
@@ -329,15 +346,22 @@ def main(argv=None) -> dict:
         lr = lr_scheduler.get_last_lr()[0] if lr_scheduler is not None else args.lr
         bar.update(step + 1, {"loss": f"{step_loss:.3f}", "tok/s": f"{tokens_per_step / dt:,.0f}",
                               "s/step": f"{dt:.3f}", "lr": f"{lr:.2e}"})
+        if step_log is not None:
+            step_log.write(json.dumps({"step": step + 1, "loss": step_loss, "time": time.time(),
+                                       "world_size": world, "pid": os.getpid()}) + "\n")
+            step_log.flush()
     bar.close()
+    engine.wait_for_checkpoint()  # an async save still being written is committed
     elapsed = time.perf_counter() - t_start
 
     val_end = validation_loss(eval_model, val_x, val_y, rank, world)
-    median_step = sorted(step_times)[len(step_times) // 2]
+    steps_run = args.steps - first_step
+    median_step = sorted(step_times)[len(step_times) // 2] if step_times else 0.0
     say(f"validation loss at end:   {val_end:.3f}  (start {val_start:.3f}, "
         f"{'fell' if val_end < val_start else 'did NOT fall'} by {val_start - val_end:.3f})")
-    say(f"{args.steps} steps in {elapsed:.1f} s: median step {median_step:.3f} s, "
-        f"{tokens_per_step * args.steps / elapsed:,.0f} tokens/s over all ranks")
+    say(f"{steps_run} steps in {elapsed:.1f} s: median step {median_step:.3f} s, "
+        f"{tokens_per_step * steps_run / elapsed:,.0f} tokens/s over all ranks"
+        + (f" (resumed at step {first_step})" if first_step else ""))
 
     memory = gather_to_rank0(engine.memory_report())
     # the comm table compares against the formula, which needs Ψ

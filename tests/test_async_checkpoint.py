@@ -22,6 +22,7 @@ from zero_core.testing.ranks import run_ranks
 
 HERE = os.path.dirname(__file__)
 pytestmark = pytest.mark.multirank
+SNAPSHOT_VARIANTS = ("s2", "s3_bf16", "s2_offload_cpu", "s3_offload_nvme")
 
 
 def launch(script, nprocs, args):
@@ -36,14 +37,17 @@ def launch(script, nprocs, args):
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     d = tmp_path_factory.mktemp("async")
-    tasks = [["snapshot", str(d / "s")], ["failure", str(d / "f")],
+    tasks = [["snapshot", str(d / v), v] for v in SNAPSHOT_VARIANTS]
+    tasks += [["failure", str(d / "f")],
              ["periodic", str(d / "p")], ["resume_errors", str(d / "r")]]
     return launch("async_ckpt.py", 2, tasks)
 
 
-def test_an_async_save_holds_the_state_at_the_call(reports):
+@pytest.mark.parametrize("variant", SNAPSHOT_VARIANTS)
+def test_an_async_save_holds_the_state_at_the_call(reports, variant):
+    # optimizer states on the device, in host memory, in NVMe swap files; stage 3 in bf16
     for rank in range(2):
-        snap = reports[rank][0]
+        snap = reports[rank][SNAPSHOT_VARIANTS.index(variant)]
         assert snap["equal"] and snap["tensors"] >= 4
         assert snap["appeared_after_steps"] is not None  # committed at a step, not at wait
         assert snap["latest"] == "t"
@@ -51,7 +55,7 @@ def test_an_async_save_holds_the_state_at_the_call(reports):
 
 def test_a_failed_background_write_is_raised_on_every_rank(reports):
     for rank in range(2):
-        f = reports[rank][1]
+        f = reports[rank][len(SNAPSHOT_VARIANTS)]
         assert f["error"] is not None, "the failure was lost"
         for words in ("'bad'", "rank 1", "disk full (ENOSPC)", "rank_00001.safetensors",
                       "partial files", "are gone", "'latest'", "unchanged"):
@@ -61,7 +65,7 @@ def test_a_failed_background_write_is_raised_on_every_rank(reports):
 
 
 def test_periodic_saves_keep_the_newest(reports):
-    p = reports[0][2]  # rank 0 prunes: read its listing
+    p = reports[0][len(SNAPSHOT_VARIANTS) + 1]  # rank 0 prunes: read its listing
     assert p["steps"] == ["global_step6", "global_step8", "latest"]
     saved = [n for n in p["minutes"] if n.startswith("global_step")]
     assert len(saved) >= 2, p["minutes"]  # every 0.001 minutes with 30 ms steps
@@ -69,7 +73,7 @@ def test_periodic_saves_keep_the_newest(reports):
 
 def test_resume_errors_are_named(reports):
     for rank in range(2):
-        r = reports[rank][3]
+        r = reports[rank][len(SNAPSHOT_VARIANTS) + 2]
         assert "resume is \"require\"" in r["require"] and "does not exist" in r["require"]
         assert r["model"].startswith("CheckpointMismatchError") and \
             "saved from a different model" in r["model"] and "[16, 4]" in r["model"]

@@ -22,71 +22,22 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from zero_core.testing.ranks import INHERITED_LAUNCH_VARS, free_port, run_ranks
+from zero_core.testing.elastic import kill, kill_tree, read_json_lines, start_elastic
+from zero_core.testing.ranks import free_port, run_ranks
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "workers", "resume_train.py")
 pytestmark = pytest.mark.multirank
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in INHERITED_LAUNCH_VARS}
-    env.update(ZERO_CORE_COMM="gloo", ZERO_CORE_COMM_TIMEOUT="30", OMP_NUM_THREADS="1")
-    return env
-
-
-def _torchrun(opts: dict, out: str, nnodes: str, nproc: int, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes,
-           "--nproc-per-node", str(nproc), "--max-restarts", "6", "--monitor-interval", "0.2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           "--rdzv-id", f"faults{port}",
-           "--rdzv-conf", "last_call_timeout=3,join_timeout=60,close_timeout=5,"
-                          "keep_alive_interval=1,keep_alive_max_attempt=2",
-           WORKER, json.dumps(opts)]
-    return subprocess.Popen(cmd, env=_env(), stdout=open(out, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def _tree(pid: int) -> list[int]:
-    """*pid* and its descendants (torchrun starts each worker in its own session)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    parents[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo += [c for c, parent in parents.items() if parent == p]
-    return found
-
-
-def _kill(pids) -> None:
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def _lines(path: str) -> list[dict]:
-    try:
-        with open(path) as fh:
-            return [json.loads(x) for x in fh if x.endswith("\n")]
-    except (OSError, ValueError):
-        return []
+def _torchrun(opts: dict, out: str, nnodes: str, nproc: int, port: int):
+    return start_elastic(WORKER, [json.dumps(opts)], out, port, nnodes, nproc,
+                         env={"ZERO_CORE_COMM": "gloo", "ZERO_CORE_COMM_TIMEOUT": "30"})
 
 
 def _latest_step(save_dir: str) -> int:
@@ -125,7 +76,7 @@ def _straight(tmp, opts) -> tuple[dict, dict]:
                                                         "step_sleep": 0,
                                                         "final": str(tmp / "straight.pt")})],
               env={"ZERO_CORE_COMM": "gloo"}, timeout=300)
-    return torch.load(tmp / "straight.pt"), _per_step_samples(_lines(log), {})
+    return torch.load(tmp / "straight.pt"), _per_step_samples(read_json_lines(log), {})
 
 
 def test_killed_ranks_restart_and_finish_bit_identical(tmp_path):
@@ -146,7 +97,7 @@ def test_killed_ranks_restart_and_finish_bit_identical(tmp_path):
             time.sleep(0.01)
             if len(kills) == len(targets):
                 continue
-            lines = _lines(opts["log"])
+            lines = read_json_lines(opts["log"])
             attempt = max((x["attempt"] for x in lines), default=0)
             if kills and attempt <= kills[-1]["attempt"]:
                 continue  # the killed attempt has not been replaced yet
@@ -160,34 +111,33 @@ def test_killed_ranks_restart_and_finish_bit_identical(tmp_path):
             victim = hit[0] if rng.random() < 0.5 else hit[-1]
             partial = [n for n in os.listdir(opts["save_dir"]) if n.endswith(".partial")]
             latest = _latest_step(opts["save_dir"])
-            _kill([victim["pid"]])
+            kill([victim["pid"]])
             kills.append({"attempt": attempt, "rank": victim["rank"], "latest": latest,
                           "partial": partial,
-                          "last_step": max(x["step"] for x in _lines(opts["log"])
+                          "last_step": max(x["step"] for x in read_json_lines(opts["log"])
                                            if x["attempt"] == attempt)})
         rc = job.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        _kill(_tree(job.pid))
+        kill_tree(job.pid)
     with open(tmp_path / "out") as fh:
         out = fh.read()
     why = f"seed {seed}, kills {kills}\n{out[-4000:]}"
     assert rc == 0 and len(kills) == 3, why
     assert any(k["partial"] for k in kills), f"no kill landed during an async save: {why}"
 
-    lines = _lines(opts["log"])
+    lines = read_json_lines(opts["log"])
     attempts = sorted({x["attempt"] for x in lines})
     resumed = {a: _resumed_at([x for x in lines if x["attempt"] == a]) for a in attempts[1:]}
     cut = {}
-    for kill in kills:
-        later = [a for a in attempts if a > kill["attempt"]]
-        after = min(later)
+    for dead in kills:
+        after = min(a for a in attempts if a > dead["attempt"])
         # the restart resumed from the checkpoint `latest` named when the rank died (or the
         # one an async save in flight committed in the same instant)
-        assert resumed[after] in (kill["latest"], kill["latest"] + interval), why
+        assert resumed[after] in (dead["latest"], dead["latest"] + interval), why
         assert resumed[after] % interval == 0
-        cut[kill["attempt"]] = resumed[after]
-        redone = kill["last_step"] - resumed[after]
-        assert 0 <= redone <= kill["last_step"] - kill["latest"], why
+        cut[dead["attempt"]] = resumed[after]
+        redone = dead["last_step"] - resumed[after]
+        assert 0 <= redone <= dead["last_step"] - dead["latest"], why
     final, straight_steps = _straight(tmp_path, opts)
     mine = torch.load(opts["final"])
     assert all(torch.equal(mine[k], final[k]) for k in final), f"weights differ: {why}"
@@ -208,18 +158,18 @@ def test_a_lost_node_continues_on_the_remaining_rank(tmp_path):
         while a.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
             if killed_at is None and any(x["world"] == 2 and x["step"] >= 9
-                                         for x in _lines(opts["log"])):
+                                         for x in read_json_lines(opts["log"])):
                 killed_at = (time.monotonic(), _latest_step(opts["save_dir"]))
-                _kill(_tree(b.pid))
+                kill_tree(b.pid)
         rc = a.wait(timeout=max(1.0, deadline - time.monotonic()))
         finished = time.monotonic()
     finally:
-        _kill(_tree(a.pid))
-        _kill(_tree(b.pid))
+        kill_tree(a.pid)
+        kill_tree(b.pid)
     with open(tmp_path / "out_a") as fh:
         out = fh.read()
     assert rc == 0 and killed_at is not None, out[-4000:]
-    lines = _lines(opts["log"])
+    lines = read_json_lines(opts["log"])
     alone = [x for x in lines if x["world"] == 1]
     assert alone and max(x["step"] for x in alone) == 20, out[-4000:]
     resumed = _resumed_at(alone)

@@ -3,7 +3,7 @@
 Usage: ``python async_ckpt.py '<json list of tasks>'``; each task is ``[action, dir]`` and
 the rank reports the list of results. Actions:
 
-* ``snapshot`` — train 3 steps; save synchronously (tag ``sync``) and asynchronously (tag
+* ``snapshot`` (optional variant: VARIANTS) — train 3 steps; save synchronously (tag ``sync``) and asynchronously (tag
   ``async``, into another directory) at the same state; train 3 more steps (the async save
   commits at one of them); report whether every tensor of both shards is equal, and the
   step at which the async checkpoint appeared.
@@ -33,15 +33,28 @@ from zero_core.errors import ConfigError
 from zero_core.testing.ranks import leave_rank, report
 
 
-def build(save_dir=None, width=16, samples=64, **checkpoint):
+VARIANTS = {  # zero_optimization (and precision) of the snapshot checks
+    "s2": ({"stage": 2}, None),
+    "s3_bf16": ({"stage": 3}, "bf16"),
+    "s2_offload_cpu": ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, None),
+    "s3_offload_nvme": ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": None},
+                         "offload_param": {"device": "cpu"}}, None),
+}
+
+
+def build(save_dir=None, width=16, samples=64, variant="s2", nvme=None, **checkpoint):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(samples, 4, generator=g),
                                           torch.randn(samples, 1, generator=g))
+    zero, precision = VARIANTS[variant]
+    zero = json.loads(json.dumps(zero).replace("null", json.dumps(nvme)))
     cfg = {"train_micro_batch_size_per_gpu": checkpoint.pop("micro", 4),
            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": checkpoint.pop("stage", 2)}}
+           "zero_optimization": zero}
+    if precision:
+        cfg[precision] = {"enabled": True}
     if save_dir is not None:
         cfg["checkpoint"] = {"save_dir": save_dir, **checkpoint}
     engine, _, loader, _ = zero_core.initialize(model=model, model_parameters=model.parameters(),
@@ -53,7 +66,8 @@ def train(engine, loader, steps, sleep=0.0):
     done = 0
     while done < steps:
         for x, y in loader:
-            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            out = engine(x.to(engine.compute_dtype)).float()
+            engine.backward(torch.nn.functional.mse_loss(out, y))
             engine.step()
             time.sleep(sleep)
             done += 1
@@ -66,8 +80,9 @@ def shard_tensors(path):
         return {name: r.read_tensor(name) for name in r.tensors}
 
 
-def snapshot(d):
-    engine, loader = build()
+def snapshot(d, variant="s2"):
+    os.makedirs(os.path.join(d, "nvme"), exist_ok=True)
+    engine, loader = build(variant=variant, nvme=os.path.join(d, "nvme"))
     train(engine, loader, 3)
     engine.save_checkpoint(os.path.join(d, "a"), tag="t", async_save=False)
     engine.save_checkpoint(os.path.join(d, "b"), tag="t", async_save=True)

@@ -16,7 +16,8 @@ batches and reports, per scenario:
   (device runs) and the ledger's staging counters, next to the ledger's wire bytes.
 
 The ``ckpt`` scenario saves a checkpoint under ``<dir>/<accelerator>`` after 2 steps and
-continues one step; then a fresh engine loads ``<dir>/<load_from>`` (LOAD_FROM env var,
+continues one step (an async save: written in the background while that step runs); then
+a fresh engine loads ``<dir>/<load_from>`` (LOAD_FROM env var,
 default: its own) and takes the same step: with identical state the result is identical.
 ``ckpt_off`` does the same with the optimizer state offloaded to host memory.
 """
@@ -195,7 +196,9 @@ def run_checkpoint(scratch: str, offloaded: bool = False) -> dict:
     for s in range(2):
         train_step(engine, model, s)
     saved = fingerprint(model)
-    engine.save_checkpoint(os.path.join(scratch, acc + suffix))
+    # ckpt saves asynchronously: the device state is copied non-blocking into pinned host
+    # memory and written by a thread after an event; step 2 changes the state meanwhile
+    engine.save_checkpoint(os.path.join(scratch, acc + suffix), async_save=not offloaded)
     train_step(engine, model, 2)
     continued = fingerprint(model)
     engine.destroy()

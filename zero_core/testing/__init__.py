@@ -12,7 +12,9 @@ by training, and nothing of the engine imports it except the plan's rate measure
   finding and removing leftovers, the per-prefix lock);
 - :mod:`zero_core.testing.device_audit` -- where an engine's tensors live (device or host
   memory), judged against what their owners declare; the device test matrix fails on any
-  misplaced tensor.
+  misplaced tensor;
+- :mod:`zero_core.testing.elastic` -- jobs under torchrun's elastic agent and the faults
+  injected into them (SIGKILL of a rank or of a node's whole process tree).
 
 The package is empty on purpose: import the module you need.
 """
