@@ -347,7 +347,6 @@ NOT_IMPLEMENTED_CASES = [
     ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel"),
     ({"compile": {"deepcompile": True}}, "compile"),    ({"sparse_gradients": True}, "sparse_gradients"),
     ({"pipeline": {"stages": "auto"}}, "pipeline"),
-    ({"elasticity": {"enabled": True}}, "elasticity"),
     ({"autotuning": {"enabled": True}}, "autotuning"),
     ({"flops_profiler": {"enabled": True}}, "flops_profiler"),
     ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},

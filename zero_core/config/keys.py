@@ -217,6 +217,22 @@ hybrid_engine.pin_parameters                                      true          
                                                                                 generate (false: within the budget)
 hybrid_engine.tp_gather_partition_size                            8             >= 1; layers per gather with tensor
                                                                                 parallelism (no effect at tp size 1)
+elasticity.enabled                                                false         bool; true: the batch triple is computed
+                                                                                (zero_core/config/elasticity.py); false:
+                                                                                the section has no effect
+elasticity.max_train_batch_size                                   required      >= 1, largest acceptable global batch
+elasticity.micro_batch_sizes                                      required      list of integers >= 1 (micro batch per
+                                                                                rank candidates)
+elasticity.min_gpus                                               1             >= 1, smallest world size planned for
+elasticity.max_gpus                                               10000         >= min_gpus, largest world size planned
+elasticity.min_time                                               0             >= 0; accepted, no effect (a hint to the
+                                                                                resource scheduler)
+elasticity.prefer_larger_batch                                    true          bool; tie-break between global batches
+elasticity.ignore_non_elastic_batch_info                          false         bool; true: elastic values override the
+                                                                                batch keys (else those are refused)
+elasticity.version                                                0.2           0.1 | 0.2 (0.2 plans in whole nodes)
+elasticity.num_gpus_per_node                                      1             >= 1; ranks per node (version 0.2)
+elasticity.model_parallel_size                                    1             only 1 (model parallelism is refused)
 ================================================================  ============  ==========================================
 
 Accepted without effect (``NO_EFFECT_KEYS``, any value): DeepSpeed keys that tune only speed,
@@ -225,6 +241,10 @@ top-level keys are ignored with a :class:`~zero_core.errors.ConfigWarning` namin
 DeepSpeed ignores them; unknown keys inside a section are errors.
 
 Batch size: ``train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps
+× world size``; any two of the three are enough (the third is derived). With ``elasticity``
+enabled the section decides all three (config/elasticity.py); a resumed run on another world
+size keeps the saved global batch (``checkpoint.resume_batch``, checkpoint/resume.py).
+
 The ``activation_checkpointing`` section is read by ``zero_core.checkpointing.configure(mpu,
 deepspeed_config=...)`` (as in DeepSpeed, the model code calls it; the engine does not).
 
@@ -259,7 +279,7 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
          "data_types", "torch_autocast", "checkpoint",
          "tensorboard", "csv_monitor", "wandb", "comet",
          "accelerator", "comm_backend", "comm_timeout", "topology", "safety", "generation",
-         "hybrid_engine"),
+         "hybrid_engine", "elasticity"),
     "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "auto_cast"),
     "bf16": ("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states",
@@ -304,6 +324,9 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
     "comet": ("enabled", "samples_log_interval", "project", "workspace", "api_key",
               "experiment_name", "experiment_key", "online", "mode"),
     "topology": ("ranks_per_node",),
+    "elasticity": ("enabled", "max_train_batch_size", "micro_batch_sizes", "min_gpus", "max_gpus",
+                   "min_time", "prefer_larger_batch", "ignore_non_elastic_batch_info", "version",
+                   "num_gpus_per_node", "model_parallel_size"),
     "generation": ("max_live_parameters",),
     "hybrid_engine": ("enabled", "max_out_tokens", "inference_tp_size", "release_inference_cache",
                       "pin_parameters", "tp_gather_partition_size"),
@@ -365,7 +388,6 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
         "tensor_parallel": "tensor parallelism (AutoTP)",
         "expert_parallel": "expert parallelism (AutoEP)",
         "sequence_parallel_size": "sequence parallelism",
-        "elasticity": "elastic training",
         "autotuning": "the autotuner",
         "flops_profiler": "the FLOPs profiler",
         "comms_logger": "the communication logger (zero-core's ledger records every collective)",
@@ -476,7 +498,7 @@ NEUTRAL_VALUES: dict[str, Any] = {
 # defaults each of these switches to off, so a section with none of them asks for nothing.
 _SWITCHABLE_SECTIONS = frozenset({
     "flops_profiler",
-    "comms_logger", "elasticity", "autotuning", "expert_parallel", "amp",
+    "comms_logger", "autotuning", "expert_parallel", "amp",
     "eigenvalue", "progressive_layer_drop", "curriculum_learning", "nebula", "compile",
     "tensor_parallel", "compression_training", "data_efficiency", "quantize_training",
     "weight_quantization",

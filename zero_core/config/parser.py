@@ -23,6 +23,7 @@ from zero_core.config.checks import (_as_bool, _as_float, _as_int, _as_name, _fa
                                      _refuse_auto, _require_divisor, _Section, _suggest)
 from zero_core.config.keys import (_OPTIMIZERS_NOT_YET, _SCHEDULERS_NOT_YET, MAX_ZERO_STAGE,
                                    OPTIMIZER_TYPES, SCHEDULER_TYPES)
+from zero_core.config.elasticity import elastic_batch
 from zero_core.config.monitors import parse_monitors
 from zero_core.config.precision_sections import parse_precision
 from zero_core.config.zero_sections import parse_many_nodes, parse_zeropp
@@ -298,6 +299,7 @@ RESUME_BATCH = ("keep_global", "keep_micro")
 
 
 def _choice(options):
+    """A converter of a name that must be one of *options* (any case)."""
     def convert(path: str, value: Any) -> str:
         word = _as_name(path, value).lower()
         if word not in options:
@@ -329,21 +331,13 @@ def _parse_checkpoint(raw: Any) -> CheckpointConfig:
     return cfg
 
 
-def _nonfinite_action(path: str, value: Any) -> str:
-    action = _as_name(path, value).lower()
-    if action not in NONFINITE_ACTIONS:
-        raise _fail(path, value, f"expected one of {', '.join(map(repr, NONFINITE_ACTIONS))}"
-                                 f"{_suggest(action, NONFINITE_ACTIONS)}")
-    return action
-
-
 def _parse_safety(raw: Any, precision: str, bf16: BF16Config) -> SafetyConfig:
     """zero-core's ``safety`` section; its non-finite action must agree with the precision
     sections (fp16's loss scaler owns overflows; bf16 ``check_grad_overflow: false`` is
     DeepSpeed's way of saying "ignore")."""
     s = _Section(raw, "safety", "safety")
     given = "nonfinite_gradients" in s.raw
-    action = s.get("nonfinite_gradients", "skip", _nonfinite_action)
+    action = s.get("nonfinite_gradients", "skip", _choice(NONFINITE_ACTIONS))
     if precision == "bf16" and not bf16.check_grad_overflow:
         if given and action != "ignore":
             raise _fail("safety.nonfinite_gradients", action,
@@ -520,7 +514,9 @@ def parse_config(config: Any = None, world_size: int = 1) -> Config:
 
     top = _Section(_load(config), "", "")
     dtypes = parse_precision(top, world_size)
-    tb, mb, ga = _resolve_batch(top, world_size)
+    # an enabled "elasticity" section computes the triple (one global batch for every valid
+    # world size); otherwise it comes from any two of the three keys
+    tb, mb, ga = elastic_batch(top, world_size) or _resolve_batch(top, world_size)
     return Config(
         train_batch_size=tb,
         train_micro_batch_size_per_gpu=mb,
