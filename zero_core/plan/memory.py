@@ -91,6 +91,9 @@ def sizes_from_config(config: dict | None = None) -> ZeroSizes:
     does not set (and for None)."""
     from zero_core.config import parse_config
     cfg = dict(config or {})
+    # only the ZeRO sizes are read: the batch (elasticity's included, which may not allow
+    # world size 1) does not matter here
+    cfg.pop("elasticity", None)
     cfg.setdefault("train_micro_batch_size_per_gpu", 1)
     zc = parse_config(cfg).zero_optimization
     return ZeroSizes(zc.reduce_bucket_size, zc.stage3_prefetch_bucket_size,
