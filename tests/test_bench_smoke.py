@@ -107,3 +107,17 @@ def test_bench_largest_stops_an_attempt_over_budget(tmp_path):
     for x in result["attempts"]:
         assert x["peak_total_rss_bytes"] > 0.5 * 2**30
         assert "over budget" in x["note"]
+
+
+def test_bench_async_checkpoint_quick(tmp_path):
+    # zero-core's async save and DCP's async_save both complete and report their stalls
+    out = tmp_path / "ckpt.json"
+    proc = run_script("async_checkpoint.py", "--quick", "--json", out, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["contender"] for r in rows] == ["zero-core stage 2, fp32",
+                                              "zero-core stage 3, fp32", "FSDP2 + DCP, fp32"]
+    for r in rows:
+        assert r["sync_save_ms"] > 0 and r["async_stall_ms"] > 0 and r["commit_s"] > 0
+        assert r["raw"]["async"][0]["during_steps_s"], r  # steps ran while it was written
+    assert "| contender | step ms |" in proc.stdout

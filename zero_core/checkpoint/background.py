@@ -24,7 +24,18 @@ killed while writing leaves ``.<tag>.partial`` behind, never a damaged ``<tag>``
 """
 from __future__ import annotations
 
+import os
 import threading
+
+
+def _lower_priority() -> None:
+    """Let the writer thread run where training leaves a core idle: on Linux a thread has
+    its own nice value (measured: the steps during a background write were 1.4-1.8x a normal
+    step on 2 busy cores at the default priority)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass  # not Linux, or not allowed: the write just competes evenly
 
 
 class _InFlight:
@@ -38,6 +49,7 @@ class _InFlight:
         self.thread.start()
 
     def _write(self) -> None:
+        _lower_priority()
         self.payload, self.failure = self.job.write(self.state.write_files, self.state.index)
 
     def done(self) -> bool:
