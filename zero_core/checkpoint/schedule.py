@@ -33,16 +33,18 @@ class Checkpointing:
     # ---- the data position ------------------------------------------------------------------
     def track_data(self, sampler) -> None:
         self._sampler = sampler
-        if self._restored_data is not None:  # loaded before the sampler existed
-            sampler.load_state_dict(self._restored_data)
+        if self._restored_data is not None:  # loaded before the sampler existed: once
+            state, self._restored_data = self._restored_data, None
+            sampler.load_state_dict(state)
 
     def data_state(self) -> dict | None:
         return None if self._sampler is None else self._sampler.state_dict()
 
     def restore_data(self, state: dict) -> None:
-        self._restored_data = state
         if self._sampler is not None:
             self._sampler.load_state_dict(state)
+        else:
+            self._restored_data = state
 
     # ---- saving ---------------------------------------------------------------------------------
 

@@ -70,11 +70,20 @@ class ResumableSampler(Sampler):
         return iter(order[start + self.rank:self._end(start):self.world].tolist())
 
     def __len__(self) -> int:
+        """This rank's samples in the next iteration (the rest of the epoch)."""
         return (self._end(self.position) - self.position) // self.world
+
+    def epoch_length(self) -> int:
+        """This rank's samples in a whole epoch."""
+        return self._end(0) // self.world
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch *epoch* at the next iteration (from the restored position if it is
-        the epoch a checkpoint was saved in)."""
+        the epoch a checkpoint was saved in). For the epoch an iteration already started
+        reading it does nothing (Lightning starts an epoch's iterator before it calls
+        ``set_epoch``)."""
+        if self._started is not None and self._started[0] == epoch == self.epoch:
+            return
         if epoch != self.epoch:
             self.epoch, self.position = int(epoch), 0
         self._fresh, self._started = True, None

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 import zero_core
 from zero_core.config import parse_config, read_config
 from zero_core.errors import ConfigError, ZeroCoreError
+from zero_core.integrations.lightning_data import TrainingData
 from zero_core.runtime.launch import discover
 
 #: Lightning precision -> the engine's half-precision section (None: fp32 training)
@@ -261,16 +262,20 @@ class ZeroCoreStrategy(DDPStrategy):
     ``config``: a DeepSpeed-style config dict or JSON path (everything ``zero_core.initialize``
     accepts); ``stage``: shortcut for ``zero_optimization.stage``. The Trainer fills
     ``train_micro_batch_size_per_gpu`` (from the dataloader), ``gradient_accumulation_steps``,
-    ``gradient_clipping`` and bf16/fp16; contradicting explicit config values are refused."""
+    ``gradient_clipping`` and bf16/fp16; contradicting explicit config values are refused.
+    ``resumable_data``: a mid-epoch ``fit(ckpt_path=...)`` trains each sample once
+    (lightning_data.py)."""
 
     strategy_name = "zero_core"
 
     def __init__(self, config=None, stage: int | None = None, accelerator=None,
                  parallel_devices=None, cluster_environment=None, checkpoint_io=None,
-                 precision_plugin=None, timeout: timedelta | None = None):
+                 precision_plugin=None, timeout: timedelta | None = None,
+                 resumable_data: bool = True):
         # before super().__init__: the precision setter below checks against the config
         self.config = load_config(config, stage)
         self.engine = None
+        self._data = TrainingData(resumable_data)
         self._engine_trains = False
         self._scheduler_configs: list = []
         self._exported: dict[str, str] = {}
@@ -515,6 +520,10 @@ class ZeroCoreStrategy(DDPStrategy):
             return self.engine.module_state_dict(rank0_only=True)
         return self.lightning_module.state_dict()
 
+    def process_dataloader(self, dataloader):
+        """The training loader, made resumable (lightning_data.py)."""
+        return self._data.loader(dataloader, self.engine, self.lightning_module.trainer)
+
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """Write the engine's sharded checkpoint directory at *filepath* (collective), with
@@ -541,6 +550,8 @@ class ZeroCoreStrategy(DDPStrategy):
             checkpoint_path, load_optimizer_states=fitting,
             load_lr_scheduler_states=fitting and engine.lr_scheduler is not None,
             load_module_only=not fitting)
+        if fitting:
+            self._data.resumed(checkpoint_path, client, engine, self.config)
         return client
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:

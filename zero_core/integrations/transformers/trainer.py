@@ -29,6 +29,10 @@ transformers/accelerate put DeepSpeed):
   and ``create_scheduler()`` (``args.lr_scheduler_type``, warmup) over the engine's
   optimizer. ``resume_from_checkpoint`` loads the engine checkpoint here (resharded when
   the world size changed).
+- ``train(resume_from_checkpoint=...)`` on another world size: the saved global batch is
+  kept by changing ``gradient_accumulation_steps`` before HF's loop counts its steps
+  (trainer_config.py, ``resume_accumulation``), so that HF's data skipping lands exactly
+  after the samples the checkpoint trained on.
 - ``accelerator.backward`` (shadowed on this trainer's accelerator only): the engine's
   backward and step (trainer_engine.py, like accelerate's ``DeepSpeedEngineWrapper``);
   ``optimizer.step()`` / ``lr_scheduler.step()`` become no-ops; ``_clip_grad_norm`` /
@@ -50,6 +54,7 @@ events as with the plain Trainer.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import transformers
@@ -57,7 +62,8 @@ from transformers import Trainer
 
 import zero_core
 from zero_core.integrations.transformers.trainer_config import (
-    check_world, engine_config, load_zero_config, refuse_unsupported, start_runtime)
+    check_world, engine_config, load_zero_config, refuse_unsupported, resume_accumulation,
+    start_runtime)
 from zero_core.integrations.transformers.trainer_engine import (EngineLoop, EngineOptimizer,
                                                                 EngineScheduler, retire_engine)
 
@@ -96,6 +102,7 @@ class ZeroCoreTrainer(Trainer):
 
     def __init__(self, model=None, args=None, *trainer_args, zero_config=None, **trainer_kwargs):
         self._zero_raw = load_zero_config(zero_config)
+        self._zero_run = self._zero_raw   # the config of the current train() call
         if args is None:
             # what Trainer does without arguments, made here so that they can be checked
             args = transformers.TrainingArguments(output_dir="trainer_output")
@@ -111,6 +118,33 @@ class ZeroCoreTrainer(Trainer):
     def engine(self):
         """The zero-core engine once train() has built it (else None)."""
         return self._engine
+
+    # ---- training ---------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        """``Trainer.train``; a checkpoint saved with another global batch (another world
+        size) is resumed with the accumulation steps that keep it (see the module docstring)."""
+        if resume_from_checkpoint is True:   # HF's meaning: the newest in output_dir
+            from transformers.trainer_utils import get_last_checkpoint
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory "
+                                 f"({self.args.output_dir})")
+        self._zero_run = self._zero_raw
+        if resume_from_checkpoint:
+            kept = resume_accumulation(self._zero_raw, self.args, str(resume_from_checkpoint))
+            if kept is not None:
+                accumulation, self._zero_run = kept
+                if self.args.process_index == 0:
+                    world = self.args.world_size
+                    print(f"zero-core: resuming {resume_from_checkpoint} on {world} "
+                          f"rank{'s' if world != 1 else ''}: gradient_accumulation_steps "
+                          f"{self.args.gradient_accumulation_steps} -> {accumulation} keeps "
+                          f"the saved global batch (checkpoint.resume_batch \"keep_global\")",
+                          file=sys.stderr, flush=True)
+                self.args.gradient_accumulation_steps = accumulation
+                self.accelerator.gradient_accumulation_steps = accumulation
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval)
 
     # ---- the accelerator's backward --------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -142,7 +176,7 @@ class ZeroCoreTrainer(Trainer):
         return self._engine, train_dataloader
 
     def _build_engine(self, max_steps: int) -> None:
-        config = engine_config(self._zero_raw, self.args, self.model, max_steps)
+        config = engine_config(self._zero_run, self.args, self.model, max_steps)
         optimizer = lr_scheduler = None
         if "optimizer" not in config:
             # transformers' choice under DeepSpeed: the Trainer's own optimizer

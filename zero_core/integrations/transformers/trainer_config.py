@@ -12,11 +12,30 @@ Trainer features it cannot serve refused, and the config completed from the
   (transformers leaves them out and DeepSpeed falls back to its defaults: a config
   without ``gradient_accumulation_steps`` would then step every micro-batch while the
   Trainer accumulates).
+- :func:`resume_accumulation`: the accumulation steps that keep a checkpoint's global
+  batch when it is resumed on another world size (below).
+
+Resuming on another world size. HF's loop finds where to go on in the data from the
+saved ``global_step`` alone: ``global_step // updates per epoch`` epochs done, then
+``global_step % updates per epoch`` optimizer steps of the epoch skipped
+(``skip_first_batches``). The sampling order is one global order per epoch, the same on
+any world size (accelerate's seedable sampler, seeded by ``data_seed``/``seed`` plus the
+epoch, cut into micro-batches of which rank r reads r, r+W, ...), so one optimizer step
+consumes the next ``per_device_train_batch_size x gradient_accumulation_steps x world
+size`` samples of it. The skip is therefore exact only when that global batch is the
+saved one: resumed with a smaller one (2 ranks -> 1 with the same arguments) the samples
+of the last saved steps are trained again and the run takes more, smaller steps than the
+schedule restored from the checkpoint was made for. So, as the engine's own resume does
+(``checkpoint.resume_batch`` "keep_global", the default), the global batch is kept by
+changing ``gradient_accumulation_steps``; "keep_micro" (train on with a smaller global
+batch) is refused here, since HF's step counters cannot express it.
 """
 from __future__ import annotations
 
+import copy
 import os
 
+from zero_core.checkpoint import store
 from zero_core.config import read_config
 from zero_core.errors import ConfigError
 from zero_core.integrations.transformers.auto_values import fill_auto_values
@@ -139,3 +158,45 @@ def _check_agreement(config: dict, args) -> None:
         raise TrainerConfigConflict("the zero-core config and the TrainingArguments disagree:\n"
                                     + "\n".join(f"  - {w}" for w in wrong)
                                     + "\nSet these config values to \"auto\" or drop them.")
+
+
+def resume_accumulation(raw: dict, args, checkpoint: str) -> tuple[int, dict] | None:
+    """``(gradient_accumulation_steps, config)`` that keep the global batch the engine
+    checkpoint in *checkpoint* (an HF ``checkpoint-N`` folder) was trained with, when
+    *args* (``per_device_train_batch_size x gradient_accumulation_steps x world_size``)
+    give another one; None when they agree or the folder holds no engine checkpoint (the
+    load reports that). *config* is *raw* with an explicit ``gradient_accumulation_steps``
+    changed to match. Raises :class:`TrainerConfigConflict` when the saved batch cannot be
+    kept (see the module docstring)."""
+    if not os.path.exists(os.path.join(checkpoint, store.LATEST)):
+        return None
+    _, meta = store.read_metadata(checkpoint)
+    saved = (meta.get("batch") or {}).get("train_batch_size")
+    micro, world = args.per_device_train_batch_size, args.world_size
+    now = micro * args.gradient_accumulation_steps * world
+    if saved is None or int(saved) == now:
+        return None
+    saved = int(saved)
+    where = (f"resuming {checkpoint} (global batch {saved}, saved by {meta.get('world_size')} "
+             f"ranks) on {world} rank{'s' if world != 1 else ''} with global batch {now} "
+             f"(per_device_train_batch_size {micro} x gradient_accumulation_steps "
+             f"{args.gradient_accumulation_steps} x world size {world})")
+    mode = (raw.get("checkpoint") or {}).get("resume_batch", "keep_global")
+    if mode == "keep_micro":
+        raise TrainerConfigConflict(
+            f"{where}: checkpoint.resume_batch \"keep_micro\" is not supported by "
+            f"ZeroCoreTrainer: HF's Trainer counts the data already trained on in optimizer "
+            f"steps of the saved size, so samples of the interrupted epoch would be trained "
+            f"twice or skipped. Use \"keep_global\" (the default) or arguments whose global "
+            f"batch is {saved}")
+    if saved % (micro * world):
+        raise TrainerConfigConflict(
+            f"{where}: keeping the global batch needs per_device_train_batch_size x world "
+            f"size = {micro} x {world} to divide {saved}; choose a "
+            f"per_device_train_batch_size that does (or a world size that does)")
+    accumulation = saved // (micro * world)
+    config = copy.deepcopy(raw)
+    value = config.get("gradient_accumulation_steps")
+    if value is not None and value != "auto":
+        config["gradient_accumulation_steps"] = accumulation
+    return accumulation, config
