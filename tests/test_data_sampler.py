@@ -121,3 +121,17 @@ def test_a_data_position_of_other_data_is_refused_by_name(change, words):
         samplers[0].load_state_dict(state)
     assert words in str(info.value)
     assert samplers[0].position == 0  # nothing taken over
+
+
+def test_the_loader_leaves_the_global_generator_alone():
+    # a plain DataLoader draws its workers' seed from torch's global generator at every
+    # iter(): a mid-epoch resume would then shift the stream dropout reads
+    from zero_core.data import resumable_loader
+    engine = FakeEngine(0, 1, 2)
+    loader = resumable_loader(list(range(10)), engine)
+    before = torch.get_rng_state()
+    list(loader)
+    assert torch.equal(before, torch.get_rng_state())
+    plain = torch.utils.data.DataLoader(list(range(10)), batch_size=2)
+    iter(plain)
+    assert not torch.equal(before, torch.get_rng_state())  # the control: it does draw

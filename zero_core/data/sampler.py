@@ -128,5 +128,9 @@ def resumable_loader(dataset, engine, collate_fn=None, **kwargs) -> DataLoader:
     """DeepSpeed's ``training_data=``: a DataLoader of micro batches over a
     :class:`ResumableSampler` of *dataset*."""
     sampler = ResumableSampler(dataset, engine)
+    # a generator of its own: DataLoader draws its workers' base seed at every iter(), and
+    # drawn from torch's global generator that would shift the stream a resumed run
+    # restored (dropout after a mid-epoch resume would differ from the uninterrupted run)
+    kwargs.setdefault("generator", torch.Generator().manual_seed(0))
     return DataLoader(dataset, batch_size=sampler.micro, sampler=sampler,
                       collate_fn=collate_fn, **kwargs)
