@@ -11,9 +11,13 @@ batches in pinned memory, then counts two more optimizer steps (2 micro-steps ea
 gradient clipping on).
 
 * stages 0-3, fp32/bf16/fp16 (dynamic loss scale), zero_core.Init, activation checkpointing
-  to host memory, qwZ, hpZ, qgZ: **0** per step;
+  to host memory, qwZ, hpZ, qgZ, and stage 2 printing the steps_per_print progress line at
+  every step (wall_clock_breakdown off): **0** per step;
 * a step with an inf gradient: skipped on the device (found_inf), still no synchronization
   at that step; naming the parameter it hit, at the next update, reads a few bytes back;
+* ``wall_clock_breakdown`` on (a diagnostic): the timers synchronize at each end of each
+  phase (zero_core/engine/timers.py), 2 waits per phase — fwd, bwd, bwd_inner, bwd_allreduce
+  per micro-step, step per optimizer step — and nothing else;
 * what must decide on the host, documented in docs/ARCHITECTURE.md ("a step without
   synchronizations"): a torch.optim optimizer (1 wait: the verdict), Lamb (+1 copy: its
   trust ratios), offload_optimizer / offload_param (the verdict, plus the blocking copies of
@@ -29,7 +33,7 @@ from zero_core.testing.ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "sync_count.py")
 FREE = ("s0", "s1", "s2", "s3", "s2_bf16", "s3_bf16", "s2_fp16", "s3_fp16", "s3_init",
-        "s3_actckpt", "zpp_qwz", "zpp_hpz", "zpp_qgz")
+        "s3_actckpt", "zpp_qwz", "zpp_hpz", "zpp_qgz", "progress_every_step")
 HOST_DECIDES = {"torch_opt": {"copies": 0, "reads": 0, "waits": 1},
                 "lamb": {"copies": 1, "reads": 0, "waits": 1}}
 OFFLOAD = ("off_opt_cpu", "off_param_cpu", "off_opt_nvme")
@@ -40,7 +44,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def counts(tmp_path_factory):
-    names = ",".join(FREE + tuple(HOST_DECIDES) + OFFLOAD + ("nonfinite_skip",))
+    names = ",".join(FREE + tuple(HOST_DECIDES) + OFFLOAD + ("nonfinite_skip", "wall_clock_on"))
     scratch = str(tmp_path_factory.mktemp("sync"))
     env = {"ZERO_CORE_ACCELERATOR": "vdev", "ZERO_CORE_COMM": "vdev-gloo", "VDEV_ASYNC": "1"}
     results = run_ranks(WORKER, 2, "torchrun", args=[names, scratch], env=env, timeout=900)
@@ -79,3 +83,10 @@ def test_offload_waits_only_for_its_own_transfers(counts, name):
         r = rep[name]
         assert r["per_step"]["waits"] == 1 and r["per_step"]["reads"] == 0, r
         assert all("zero_core/offload/" in s or VERDICT_READ in s for s in r["sites"]), r["sites"]
+
+
+def test_the_wall_clock_breakdown_waits_only_at_its_phase_ends(counts):
+    for rep in counts:
+        r = rep["wall_clock_on"]
+        waits = 2 * (4 * r["gas"] + 1)
+        assert r["per_step"] == {"copies": 0, "reads": 0, "waits": waits, "total": waits}, r

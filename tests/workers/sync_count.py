@@ -29,13 +29,17 @@ from device_matrix import GAS, SEED, build, scenario_config  # noqa: E402
 from stage3_train import MICRO, ce, global_batch  # noqa: E402
 
 WARMUP, COUNTED = 2, 2
-EXTRA = ("lamb", "torch_opt", "nonfinite_skip")
+EXTRA = ("lamb", "torch_opt", "nonfinite_skip", "progress_every_step", "wall_clock_on")
 
 
 def extra_config(name: str, scratch: str) -> tuple[dict, dict]:
     cfg, opts = scenario_config("s2", scratch)
     if name == "lamb":
         cfg["optimizer"] = {"type": "Lamb", "params": {"lr": 1e-2}}
+    if name == "progress_every_step":  # steps_per_print's line at every step (engine/timers.py)
+        cfg["steps_per_print"] = 1
+    if name == "wall_clock_on":  # the breakdown synchronizes at each phase, by design
+        cfg["steps_per_print"], cfg["wall_clock_breakdown"] = 1, True
     if name == "torch_opt":  # a torch.optim optimizer: the host must decide before it steps
         del cfg["optimizer"]
         opts = {**opts, "optimizer": lambda params: torch.optim.RMSprop(params, lr=1e-3)}

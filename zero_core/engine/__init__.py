@@ -7,8 +7,10 @@
   warnings) one step later, with no synchronization in between;
 - contract.py — :class:`StageParts`: what a stage contributes (stage0to2/parts.py,
   stage3/parts.py) and the points where the engine calls it;
-- step_stats.py — the step's one all-reduce (norm, overflow, equal batches) and the
-  error that names unequal batches;
+- step_stats.py — the step's one all-reduce (norm, overflow, equal batches), the
+  error that names unequal batches, and the samples one forward call fed;
+- timers.py — what rank 0 prints: ``steps_per_print``'s progress line and
+  ``wall_clock_breakdown``'s per-phase times and bytes (``engine.wall_clock``);
 - compile.py — ``engine.compile()``: torch.compile per block;
 - model_sync.py — every rank starts from the same model (the stages' ``prepare_model``).
 

@@ -34,6 +34,8 @@ from zero_core.checkpoint.schedule import Checkpointing
 from zero_core.config import Config
 from zero_core.config.precision import dtype_name, torch_dtype
 from zero_core.engine.contract import StageParts
+from zero_core.engine.step_stats import leading_dim
+from zero_core.engine.timers import WallClock
 from zero_core.engine.update import UpdateStep
 from zero_core.errors import ConfigError, ZeroCoreError
 from zero_core.interfaces.engine_parts import BuildContext, CheckpointSubject
@@ -42,7 +44,8 @@ from zero_core.optim.loss_scaler import build_loss_scaler
 from zero_core.optim.nonfinite import NonFiniteGuard
 from zero_core.memory import MemoryLedger, model_state_breakdown, optimizer_k
 from zero_core.monitor.master import MonitorMaster, build_monitor
-from zero_core.optim.rules import (collect_param_groups, require_offloadable, rule_from_config,
+from zero_core.optim.rules import (collect_param_groups, require_offloadable,
+                                   resolve_user_optimizer, rule_from_config,
                                    rule_from_torch_optimizer)
 from zero_core.optim.partitioned import PartitionedOptimizer
 from zero_core.runtime.context import Runtime
@@ -98,7 +101,7 @@ class ZeroEngine(torch.nn.Module):
                              else torch.float32)
         self.state_dtype = torch.bfloat16 if config.bf16.bf16_optimizer_states else torch.float32
 
-        optimizer = self._resolve_user_optimizer(optimizer, model_parameters, model)
+        optimizer = resolve_user_optimizer(optimizer, model_parameters, model)
         # no optimizer at all: an inference engine (DeepSpeed-Chat's frozen reference and
         # reward models): forward only, every parameter frozen, no optimizer state
         self.inference_only = optimizer is None and config.optimizer is None
@@ -134,6 +137,7 @@ class ZeroEngine(torch.nn.Module):
         self.resumed_client_state = None  # client_state of the checkpoint.resume load
         self._comm_mark = self.comm.ledger.snapshot()
         self._last_comm = CommLedger.difference(self._comm_mark, self._comm_mark)
+        self.wall_clock = WallClock(self)  # wall_clock_breakdown, steps_per_print (timers.py)
 
     def _build_training_parts(self, optimizer, groups, lr_scheduler) -> None:
         """The optimizer over the partitions, the gradient reducer, loss scaler, non-finite
@@ -164,18 +168,6 @@ class ZeroEngine(torch.nn.Module):
         self._update = UpdateStep(self)
 
     # ---- construction ---------------------------------------------------------------------
-    @staticmethod
-    def _resolve_user_optimizer(optimizer, model_parameters, model):
-        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
-        if callable(optimizer):  # DeepSpeed also accepts a factory: params -> optimizer
-            params = model_parameters if model_parameters is not None else model.parameters()
-            made = optimizer(params)
-            if isinstance(made, torch.optim.Optimizer):
-                return made
-        raise ConfigError(f"optimizer must be a torch.optim.Optimizer (or a callable "
-                          f"returning one), got {type(optimizer).__name__}")
-
     def _resolve_scheduler(self, lr_scheduler):
         if lr_scheduler is not None:
             if self.config.scheduler is not None:
@@ -198,12 +190,13 @@ class ZeroEngine(torch.nn.Module):
         the model (or the caller) casts them. With ``torch_autocast`` enabled the model runs
         under ``torch.autocast``. Targets given to the loss are the caller's to move
         (``y.to(engine.device)``)."""
-        args = tuple(self._to_device(a) for a in args)
-        kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
-        if self.training and torch.is_grad_enabled():
-            self._window_samples += _leading_dim(args, kwargs)
-        with self._autocast():
-            return self.module(*args, **kwargs)
+        with self.wall_clock("fwd"):
+            args = tuple(self._to_device(a) for a in args)
+            kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
+            if self.training and torch.is_grad_enabled():
+                self._window_samples += leading_dim(args, kwargs)
+            with self._autocast():
+                return self.module(*args, **kwargs)
 
     def _autocast(self):
         ac = self.config.torch_autocast
@@ -247,15 +240,18 @@ class ZeroEngine(torch.nn.Module):
         # second backward there (retain_graph) would reduce the already-reduced sum again
         again = (self.stage in (0, 1) and self.is_gradient_accumulation_boundary()
                  and self._reduced_at == self.micro_steps)
-        stash = self._set_aside_reduced() if again else None
-        done = False
-        try:
-            (loss.float() * factor).backward(retain_graph=retain_graph)
-            self.reducer.flush()
-            done = True
-        finally:
-            if stash is not None:
-                self._merge_reduced(stash, add=done)
+        with self.wall_clock("bwd"):
+            stash = self._set_aside_reduced() if again else None
+            done = False
+            try:
+                with self.wall_clock("bwd_inner"):
+                    (loss.float() * factor).backward(retain_graph=retain_graph)
+                with self.wall_clock("bwd_allreduce"):
+                    self.reducer.flush()
+                done = True
+            finally:
+                if stash is not None:
+                    self._merge_reduced(stash, add=done)
         if self.stage in (0, 1) and self.is_gradient_accumulation_boundary():
             self._reduced_at = self.micro_steps
         self._backward_since_update = True
@@ -294,8 +290,9 @@ class ZeroEngine(torch.nn.Module):
                     f"nothing to apply. Call engine.backward(loss) before engine.step() (not "
                     f"loss.backward(), which bypasses the engine's gradient scaling and "
                     f"reduction)")
-            self._optimizer_step()
-            self.parts.after_update()
+            with self.wall_clock("step"):
+                self._optimizer_step()
+                self.parts.after_update()
             self._backward_since_update = False
             self.micro_steps += 1
             self._saves.after_update(self.global_steps, self.save_checkpoint)
@@ -446,6 +443,10 @@ class ZeroEngine(torch.nn.Module):
                                 "peak": acc.max_memory_allocated()},
                 **self.parts.memory_report()}
 
+    def get_wall_clock_timers(self) -> dict:
+        """DeepSpeed's: ms per timer of the last optimizer step (wall_clock_breakdown)."""
+        return dict(self.wall_clock.last)
+
     def comm_report(self) -> dict:
         """What this rank sent during the last optimizer step (all its micro-steps): by
         operation, sent bytes, inter-/intra-node bytes (CommLedger.difference format)."""
@@ -586,12 +587,3 @@ class ZeroEngine(torch.nn.Module):
                    "micro_batch": self.config.train_micro_batch_size_per_gpu,
                    "gradient_accumulation_steps": self.gradient_accumulation_steps},
             data_state=self._saves.data_state, restore_data=self._saves.restore_data)
-
-
-def _leading_dim(args, kwargs) -> int:
-    """Samples in one forward call: the leading dimension of the first tensor argument
-    (positional first, then keyword, in order); 0 when there is none."""
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            return int(v.shape[0]) if v.dim() else 1
-    return 0

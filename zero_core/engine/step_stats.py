@@ -5,7 +5,8 @@
 norm, the overflow decision (inf/NaN survive the sum) and the equal-batch check
 (N·Σn² = (Σn)² iff every rank saw the same n) cost one collective (ARCHITECTURE §4, step 3).
 They stay on the device: engine/update.py decides from them without the host reading
-anything. :func:`raise_batch_mismatch` names each rank's count, only when something is wrong.
+anything. :func:`raise_batch_mismatch` names each rank's count, only when something is wrong;
+:func:`leading_dim` is how many samples one ``engine(...)`` call fed.
 """
 from __future__ import annotations
 
@@ -54,3 +55,12 @@ def raise_batch_mismatch(comm, samples: int, world_size: int, step: int) -> None
         f"size (DataLoader(drop_last=True) with a DistributedSampler). If the first input "
         f"is not batch-first (e.g. a sequence-first tensor padded per rank), set config "
         f"\"safety\": {{\"check_batch_sizes\": false}}. The weights were not updated")
+
+
+def leading_dim(args, kwargs) -> int:
+    """Samples in one forward call: the leading dimension of the first tensor argument
+    (positional first, then keyword, in order); 0 when there is none."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return int(v.shape[0]) if v.dim() else 1
+    return 0

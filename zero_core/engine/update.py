@@ -268,6 +268,7 @@ class UpdateStep:
             elif e.loss_scaler is None:
                 e._nonfinite.consecutive = 0
             self._write_monitor()
+            e.wall_clock.progress(verdict.step + 1)   # steps_per_print (engine/timers.py)
         if collective:
             self._report()
 

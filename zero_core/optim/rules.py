@@ -88,6 +88,20 @@ def require_offloadable(rule: UpdateRule) -> None:
             "offload")
 
 
+def resolve_user_optimizer(optimizer, model_parameters, model):
+    """The optimizer passed to ``initialize``: None, a torch optimizer, or (as DeepSpeed
+    accepts) a callable making one from the parameters."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):  # DeepSpeed also accepts a factory: params -> optimizer
+        params = model_parameters if model_parameters is not None else model.parameters()
+        made = optimizer(params)
+        if isinstance(made, torch.optim.Optimizer):
+            return made
+    raise ConfigError(f"optimizer must be a torch.optim.Optimizer (or a callable "
+                      f"returning one), got {type(optimizer).__name__}")
+
+
 def rule_from_torch_optimizer(opt: torch.optim.Optimizer, stage: int) -> UpdateRule:
     """The update rule that reproduces *opt* (its class and per-group hyperparameters).
 
