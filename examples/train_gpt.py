@@ -85,6 +85,7 @@ def build_config(args: argparse.Namespace) -> dict:
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.grad_accum,
         "gradient_clipping": 1.0,
+        "steps_per_print": float("inf"),  # the progress bar shows the steps (and the lr)
         "optimizer": {"type": "AdamW",
                       "params": {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8,
                                  "weight_decay": 0.1}},
