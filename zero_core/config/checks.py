@@ -1,8 +1,33 @@
 """Value checks for config parsing: the converters (``_as_int``, ``_as_float``, ``_as_bool``,
 ``_as_name``, ``_optional``) that each name the dotted key, the value and what would be valid in
 the :class:`~zero_core.errors.ConfigError` they raise, and ``_Section``, which checks one JSON
-object's keys against :mod:`zero_core.config.keys` (unknown keys with a "did you mean",
-not-yet-implemented keys by name, neutral values dropped) before handing out validated values.
+object's keys against :mod:`zero_core.config.keys` (unknown keys as below, not-yet-implemented
+keys by name, neutral values dropped) before handing out validated values.
+
+Keys the tables do not list, inside a section:
+
+* A **near-miss** is an error with a "did you mean", in every section: a key that differs from
+  a key DeepSpeed or zero-core reads in that section (supported, no-effect or
+  not-yet-implemented) only in letter case, or whose :class:`difflib.SequenceMatcher` ratio
+  to one is at least ``NEAR_MISS_RATIO`` (0.6) — exactly the keys for which ``_suggest`` finds
+  a suggestion. ``"loss_scale_windw"`` (0.97 to ``loss_scale_window``),
+  ``"stage3_prefetch_bucket_sise"``, ``"enable"`` (0.92 to ``enabled``), ``"min_scale"``
+  (0.78 to ``min_loss_scale``) are near-misses: ignoring them would train with the default of
+  the key that was meant. GPT-NeoX's ``"fp16": {"fp16": true}`` (0.24 at best), trlx's
+  ``"opt_level"`` (0.42) and ``"fp16_scale_tolerance"`` (0.51) are not.
+* Any other unknown key is ignored with a :class:`~zero_core.errors.ConfigWarning` naming its
+  dotted path where DeepSpeed reads the section key by key and ignores it too
+  (``LENIENT_SECTIONS``; deepspeed_sections.py says where DeepSpeed reads each, and in which versions), and
+  an error listing the valid keys where DeepSpeed validates the section as a whole and
+  refuses it.
+
+Unknown top-level keys are ignored with a warning (and the suggestion, if any), as DeepSpeed
+ignores them. A section switched off with ``"enabled": false`` (``switched_off``) is not read:
+its key names are checked as above, its values are not (``get`` hands out the defaults), and a
+not-yet-implemented key in it is dropped whatever its value. A refused feature's section
+(``_SWITCHABLE_SECTIONS``) has its first-level keys checked against DeepSpeed's
+(``DEEPSPEED_SECTION_KEYS``; only near-misses of its switches where DeepSpeed has no flat key
+list) and is accepted when every switch in it is off (``_asks_for_nothing``).
 """
 from __future__ import annotations
 
@@ -10,13 +35,20 @@ import difflib
 import fnmatch
 import json
 import math
+import os
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from zero_core.config.deepspeed_sections import DEEPSPEED_SECTION_KEYS, LENIENT_SECTIONS
 from zero_core.config.keys import (_SWITCHABLE_SECTIONS, NEUTRAL_VALUES, NO_EFFECT_KEYS,
                                    NOT_YET_IMPLEMENTED, SUPPORTED_KEYS)
 from zero_core.errors import ConfigError, ConfigWarning
+
+NEAR_MISS_RATIO = 0.6  # difflib ratio from which an unknown key counts as a misspelling
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _fail(path: str, value: Any, expected: str) -> ConfigError:
@@ -93,13 +125,40 @@ def _range_text(lo, hi, lo_open=False, hi_open=False) -> str:
     return ""
 
 
-def _suggest(word: str, candidates) -> str:
+def _near_miss(word: str, candidates) -> str | None:
+    """The candidate *word* most likely misspells (the same letters in another case, else the
+    closest with a difflib ratio >= NEAR_MISS_RATIO), or None."""
     candidates = list(candidates)
     lowered = {c.lower(): c for c in candidates}
     if word.lower() in lowered:
-        return f"; did you mean '{lowered[word.lower()]}'?"
-    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
+        return lowered[word.lower()]
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=NEAR_MISS_RATIO)
+    return close[0] if close else None
+
+
+def _suggest(word: str, candidates) -> str:
+    meant = _near_miss(word, candidates)
+    return f"; did you mean '{meant}'?" if meant is not None else ""
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside zero-core (called
+    from the function that warns)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _known_keys(table: str) -> tuple[str, ...]:
+    """Every key DeepSpeed or zero-core reads in *table*'s section: supported, no-effect and
+    not-yet-implemented names (wildcard patterns left out)."""
+    section = table.split(":")[0]
+    known = list(SUPPORTED_KEYS.get(table, DEEPSPEED_SECTION_KEYS.get(table, ())))
+    known += [path.rpartition(".")[2] for path in NO_EFFECT_KEYS
+              if path.rpartition(".")[0] == section]
+    known += [key for key in NOT_YET_IMPLEMENTED.get(table, {}) if not set(key) & set("*?[")]
+    return tuple(dict.fromkeys(known))
 
 
 _SWITCH_OFF = {"enabled": False, "deepcompile": False}
@@ -137,7 +196,8 @@ def _pending_feature(table: str, key: str) -> str | None:
 
 class _Section:
     """One JSON object of the config: checks its keys against the tables, then hands out
-    validated values. ``table`` names the SUPPORTED_KEYS entry, ``path`` the dotted location."""
+    validated values. ``table`` names the SUPPORTED_KEYS entry (or, for a refused feature's
+    section, the DEEPSPEED_SECTION_KEYS entry), ``path`` the dotted location."""
 
     def __init__(self, raw: Any, path: str, table: str):
         if raw is None:
@@ -147,13 +207,17 @@ class _Section:
         self.raw = dict(raw)
         self.path = path
         self.table = table
+        self.supported = SUPPORTED_KEYS[table] if table in SUPPORTED_KEYS else \
+            DEEPSPEED_SECTION_KEYS[table]
+        # "enabled": false (written, not defaulted) switches the section off: not read
+        self.switched_off = "enabled" in self.supported and self.raw.get("enabled") is False
         self._check_keys()
 
     def key_path(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
 
     def _check_keys(self) -> None:
-        supported = SUPPORTED_KEYS[self.table]
+        supported = self.supported
         for key in list(self.raw):
             if not isinstance(key, str):
                 raise _fail(self.key_path(str(key)), key, "keys must be strings")
@@ -169,7 +233,9 @@ class _Section:
                     and difflib.get_close_matches(key, supported, n=1, cutoff=0.9)):
                 feature = None  # a wildcard caught a misspelt supported key: say so below
             if feature is not None:
-                if self._is_neutral(key, value):
+                if not self.path and key in _SWITCHABLE_SECTIONS:
+                    value = self.raw[key] = _checked_refused_section(key, value)
+                if self.switched_off or self._is_neutral(key, value):
                     del self.raw[key]  # asks for what zero-core does anyway
                     continue
                 if self._table_path(key) in NEUTRAL_VALUES:
@@ -181,20 +247,38 @@ class _Section:
                     hint = "; remove the key to train without it"
                 raise ConfigError(f"config key '{path}' ({feature}) is not implemented yet in "
                                   f"zero-core{hint}")
-            if not self.path:
-                # DeepSpeed reads the top-level keys it knows and ignores the rest
-                # (configs carry launcher or project settings there): name it, go on
-                del self.raw[key]
-                warnings.warn(f"config key '{key}' is not a DeepSpeed or zero-core key; "
-                              f"ignored, as DeepSpeed ignores it{_suggest(key, supported)}",
-                              ConfigWarning, stacklevel=5)
-                continue
-            where = f"in '{self.path}'"
-            if ":" in self.table:
-                where += f" for {self.table.split(':', 1)[1]}"
+            del self.raw[key]
+            self._unknown(key)
+
+    def _unknown(self, key: str) -> None:
+        """An unknown *key* (already dropped from raw): a warning where DeepSpeed ignores it,
+        else an error; a near-miss of a known key is always an error (module docstring)."""
+        path = self.key_path(key)
+        known = _known_keys(self.table)
+        if not self.path:
+            # DeepSpeed reads the top-level keys it knows and ignores the rest
+            # (configs carry launcher or project settings there): name it, go on
+            warnings.warn(f"config key '{key}' is not a DeepSpeed or zero-core key; "
+                          f"ignored, as DeepSpeed ignores it{_suggest(key, known)}",
+                          ConfigWarning, stacklevel=_user_stacklevel())
+            return
+        meant = _near_miss(key, known)
+        section = self.table.split(":")[0]
+        if meant is not None and section in LENIENT_SECTIONS:
             raise ConfigError(
-                f"unknown config key '{path}'{_suggest(key, supported)} "
-                f"(valid keys {where}: {', '.join(supported)})")
+                f"unknown config key '{path}'; did you mean '{meant}'? Ignoring it would leave "
+                f"'{self.key_path(meant)}' at its default; correct the name, or remove the key")
+        if section in LENIENT_SECTIONS:
+            warnings.warn(f"config key '{path}' is not a key zero-core reads; ignored, "
+                          f"{LENIENT_SECTIONS[section]}", ConfigWarning,
+                          stacklevel=_user_stacklevel())
+            return
+        where = f"in '{self.path}'"
+        if ":" in self.table:
+            where += f" for {self.table.split(':', 1)[1]}"
+        raise ConfigError(
+            f"unknown config key '{path}'{_suggest(key, known)} "
+            f"(valid keys {where}: {', '.join(self.supported)})")
 
     def _table_path(self, key: str) -> str:
         # NEUTRAL_VALUES use the table's name ("bf16.x" also for "bfloat16", no ":Type").
@@ -212,15 +296,30 @@ class _Section:
         return False
 
     def has(self, key: str) -> bool:
-        return key in self.raw
+        return key in self.raw and not (self.switched_off and key != "enabled")
 
     def get(self, key: str, default: Any, convert, *args, **kwargs) -> Any:
         # Reading a key the tables do not list is a bug here, not a user error.
         assert key in SUPPORTED_KEYS[self.table], f"{key} not in SUPPORTED_KEYS[{self.table!r}]"
-        if key not in self.raw:
-            return default
+        if not self.has(key):
+            return default  # absent, or in a switched-off section (not read)
         return convert(self.key_path(key), self.raw[key], *args, **kwargs)
 
+
+def _checked_refused_section(name: str, value: Any) -> Any:
+    """A refused feature's top-level section with its first-level keys checked: against
+    DeepSpeed's keys where DEEPSPEED_SECTION_KEYS has them (unknown ones dropped with a warning
+    or refused, as for any section), else only for near-misses of the switch names."""
+    if not isinstance(value, Mapping):
+        return value
+    if name in DEEPSPEED_SECTION_KEYS:
+        return _Section(value, name, name).raw
+    for key in value:
+        meant = _near_miss(key, _SWITCH_OFF) if isinstance(key, str) else None
+        if meant is not None and key != meant:
+            raise ConfigError(f"unknown config key '{name}.{key}'; did you mean '{meant}'? "
+                              f"DeepSpeed reads only '{meant}' as the switch of '{name}'")
+    return value
 
 
 def _optional(convert):

@@ -35,8 +35,9 @@ the same result as 0.1.
 What zero-core does where DeepSpeed differs or cannot apply:
 
 * ``enabled`` false (or absent, DeepSpeed's default): the section has no effect; its key names
-  are still checked (a misspelt key is an error with a "did you mean"), its values are not read,
-  as DeepSpeed does not read them.
+  are still checked (a misspelt key is an error with a "did you mean", another unknown key a
+  warning, as DeepSpeed reads the section key by key), its values are not read, as DeepSpeed
+  does not read them.
 * ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps``
   given next to an enabled section are refused, naming the key and the elastic value
   (DeepSpeed's rule); with ``ignore_non_elastic_batch_info`` true the elastic values win, with

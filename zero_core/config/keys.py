@@ -15,8 +15,12 @@ train_batch_size                                                  derived       
 train_micro_batch_size_per_gpu                                    derived / 1   samples per rank per forward
 gradient_accumulation_steps                                       derived / 1   micro-batches per optimizer step
 gradient_clipping                                                 0.0           max global L2 grad norm; 0 = off
-steps_per_print                                                   10            integer >= 1, or inf (never; Accelerate)
-wall_clock_breakdown                                              false         bool
+steps_per_print                                                   10            integer >= 1, or inf (never; Accelerate):
+                                                                                rank 0's "step=N, skipped, lr, mom" line
+                                                                                every N steps (engine/timers.py)
+wall_clock_breakdown                                              false         bool; per-phase ms (fwd, bwd, step, ...)
+                                                                                and MB sent, at the steps_per_print
+                                                                                cadence; synchronizes: diagnostic only
 zero_allow_untested_optimizer                                     false         bool; accepted, no effect (the engine
                                                                                 checks client optimizers itself)
 fp16.enabled                                                      false         bool (not together with bf16)
@@ -236,9 +240,23 @@ elasticity.model_parallel_size                                    1             
 ================================================================  ============  ==========================================
 
 Accepted without effect (``NO_EFFECT_KEYS``, any value): DeepSpeed keys that tune only speed,
-logging or a DeepSpeed-internal mechanism, each with the reason in the table. Unknown
-top-level keys are ignored with a :class:`~zero_core.errors.ConfigWarning` naming them, as
-DeepSpeed ignores them; unknown keys inside a section are errors.
+logging or a DeepSpeed-internal mechanism, each with the reason in the table.
+
+Keys no table lists. Unknown top-level keys are ignored with a
+:class:`~zero_core.errors.ConfigWarning` naming them, as DeepSpeed ignores them. Inside a
+section, DeepSpeed decides: in a section it reads key by key (``LENIENT_SECTIONS``, in
+:mod:`zero_core.config.deepspeed_sections`) an unknown
+key is ignored with a ``ConfigWarning`` naming its dotted path; in a section it validates as a
+whole (pydantic models that forbid extra keys, constructor arguments) an unknown key is an
+error, as there. In both, a near-miss of a key DeepSpeed or zero-core reads there is an error
+with a "did you mean": a misspelt key never trains with the default of the key it meant (the
+rule is in :mod:`zero_core.config.checks`).
+
+A section switched off with ``"enabled": false`` is not read: its key names are checked as
+above, its values are not (the section keeps its defaults, as DeepSpeed leaves the feature
+off), and a not-yet-implemented key in it asks for nothing. A refused feature's section
+(``_SWITCHABLE_SECTIONS``) is accepted when every switch in it is off; its keys are checked
+against DeepSpeed's (``DEEPSPEED_SECTION_KEYS``) the same way.
 
 Batch size: ``train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps
 × world size``; any two of the three are enough (the third is derived). With ``elasticity``
@@ -257,8 +275,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SUPPORTED_KEYS", "NO_EFFECT_KEYS", "NOT_YET_IMPLEMENTED", "NEUTRAL_VALUES", "OPTIMIZER_TYPES",
-           "SCHEDULER_TYPES", "MAX_ZERO_STAGE"]
+__all__ = ["SUPPORTED_KEYS", "NO_EFFECT_KEYS", "NOT_YET_IMPLEMENTED", "NEUTRAL_VALUES",
+           "OPTIMIZER_TYPES", "SCHEDULER_TYPES",
+           "MAX_ZERO_STAGE"]
 
 # ---------------------------------------------------------------------------------------------
 # The key tables: the one place that says what zero-core accepts. A section is named by its
@@ -352,6 +371,8 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "log_level": "DeepSpeed's own logger level",
     "disable_python_gc": "when DeepSpeed runs Python's garbage collector (speed only)",
     "legacy_fusion": "which fused kernel DeepSpeed's fp16 optimizer calls (speed only)",
+    "optimizer.legacy_fusion": "which fused kernel DeepSpeed's fp16 optimizer calls (speed "
+                               "only; DeepSpeed reads it here, in the optimizer section)",
     "zero_optimization.enable_sanity_checks": "DeepSpeed's internal debugging checks",
     "bf16.immediate_grad_update": "when DeepSpeed's bf16 optimizer adds gradients into its "
                                   "fp32 copy; the sum is the same",
@@ -452,6 +473,9 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
     "zero_optimization.offload_optimizer": {
         "super_offload": "SuperOffload (GH200 superchip offload)",
     },
+    "hybrid_engine": {
+        "enable_cuda_graph": "CUDA graphs for generation",
+    },
 }
 
 # A not-yet-implemented key is accepted at exactly one value: the one that asks for what
@@ -492,6 +516,7 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "zero_optimization.zeropp_loco_param": None,
     "zero_optimization.zenflow": None,
     "zero_optimization.offload_optimizer.super_offload": False,
+    "hybrid_engine.enable_cuda_graph": False,
 }
 # Whole sections that ask for nothing when every switch in them is off: "enabled": false
 # anywhere inside, "deepcompile": false, sizes of 1 ("autotp_size": 1, "tp_size": 1); DeepSpeed

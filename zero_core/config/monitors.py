@@ -6,9 +6,10 @@ dict into one :class:`MonitorConfig`.
 They live apart from :mod:`zero_core.config.schema` / :mod:`zero_core.config.parser` because
 the four sections form one feature (:mod:`zero_core.monitor` writes them); their keys are
 checked like every other section's (an unknown key is a
-:class:`~zero_core.errors.ConfigError` with a "did you mean"). Whether the package a writer needs (tensorboard, wandb,
-comet_ml) is installed is checked when the monitor is built, not here: parsing a config needs
-neither torch nor any of them.
+:class:`~zero_core.errors.ConfigError` with a "did you mean", as DeepSpeed's pydantic models
+refuse it; a section with ``"enabled": false`` is not read beyond its key names). Whether the
+package a writer needs (tensorboard, wandb, comet_ml) is installed is checked when the monitor
+is built, not here: parsing a config needs neither torch nor any of them.
 """
 from __future__ import annotations
 

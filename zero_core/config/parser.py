@@ -3,12 +3,15 @@ JSON text, an existing :class:`~zero_core.config.schema.Config` or ``None`` (all
 returns a frozen ``Config``, reading each section with its ``_parse_*`` function and resolving
 the batch-size triple. Every problem is a :class:`~zero_core.errors.ConfigError` that names the
 key (dotted path), the value and what would be valid. Nothing is silently defaulted or ignored:
-an unknown key is refused with a "did you mean" suggestion; a key that DeepSpeed has but
-zero-core does not implement yet is refused *by name* (see ``NOT_YET_IMPLEMENTED``), except for
-a value that asks for exactly what zero-core already does, i.e. the feature switched off
-(``NEUTRAL_VALUES``, e.g. ``"fp16": {"auto_cast": false}`` or ``"tensorboard": {"enabled":
-false}``); Hugging Face's ``"auto"`` placeholders are refused (the HF Trainer fills them in
-before DeepSpeed sees the config; zero-core needs the concrete number).
+a misspelt key is refused with a "did you mean" suggestion, and another unknown key is refused
+too, or ignored with a :class:`~zero_core.errors.ConfigWarning` naming it where DeepSpeed
+ignores it (the top level, and the sections DeepSpeed reads key by key: see
+:mod:`zero_core.config.checks`); a key that DeepSpeed has but zero-core does not implement yet
+is refused *by name* (see ``NOT_YET_IMPLEMENTED``), except for a value that asks for exactly
+what zero-core already does, i.e. the feature switched off (``NEUTRAL_VALUES``, e.g.
+``"fp16": {"auto_cast": false}``), and in a section switched off with ``"enabled": false``,
+whose values are not read; Hugging Face's ``"auto"`` placeholders are refused (the HF Trainer
+fills them in before DeepSpeed sees the config; zero-core needs the concrete number).
 """
 from __future__ import annotations
 
@@ -373,8 +376,9 @@ def _parse_generation(raw: Any) -> GenerationConfig:
 
 
 def _parse_hybrid_engine(raw: Any) -> HybridEngineConfig:
-    """DeepSpeed's ``hybrid_engine``: every key validated, enabled or not (DeepSpeed-Chat
-    writes the whole section with ``enabled: false``); tensor parallelism refused."""
+    """DeepSpeed's ``hybrid_engine``: DeepSpeed-Chat writes the whole section with
+    ``"enabled": false``, which is accepted whatever the other values (they are not read; the
+    key names are checked); enabled, every key is validated and tensor parallelism refused."""
     s = _Section(raw, "hybrid_engine", "hybrid_engine")
     cfg = HybridEngineConfig(
         enabled=s.get("enabled", False, _as_bool),
