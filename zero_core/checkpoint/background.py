@@ -27,6 +27,8 @@ from __future__ import annotations
 import os
 import threading
 
+from zero_core.checkpoint.store import all_ranks_ok
+
 
 def _lower_priority() -> None:
     """Let the writer thread run where training leaves a core idle: on Linux a thread has
@@ -68,12 +70,6 @@ class BackgroundSaver:
         self.comm = comm
         self.buffers: dict = {}
         self.in_flight: _InFlight | None = None
-        self.committed: list[str] = []  # tag directories committed, oldest first
-
-    @property
-    def pending(self) -> str | None:
-        """The tag being written, or None."""
-        return None if self.in_flight is None else self.in_flight.job.tag
 
     def start(self, job, state) -> None:
         assert self.in_flight is None, "wait() for the previous save first"
@@ -83,7 +79,6 @@ class BackgroundSaver:
         """Collective (every rank at the same step): commit the save in flight if every
         rank's writer has finished; returns its directory, else None. Costs one small
         all-reduce while a save is in flight, nothing otherwise."""
-        from zero_core.checkpoint.store import all_ranks_ok
         if self.in_flight is None or not all_ranks_ok(self.comm, self.in_flight.done()):
             return None
         return self._commit()
@@ -95,16 +90,8 @@ class BackgroundSaver:
 
     def _commit(self) -> str:
         flight, self.in_flight = self.in_flight, None  # a failed commit is not retried
-        try:
-            final = flight.commit()
-        except Exception as exc:
-            from zero_core.checkpoint.collective_save import peer_failed
-            from zero_core.checkpoint.store import CheckpointError
-            if isinstance(exc, CheckpointError):
-                raise
-            raise peer_failed(flight.job, self.comm.rank, exc) from exc
-        self.committed.append(final)
-        return final
+        with flight.job.peers_failing_named():
+            return flight.commit()
 
     def release(self) -> None:
         """Drop the snapshot buffers (host memory of one copy of the rank's state)."""

@@ -14,6 +14,7 @@ partial directory behind (the next save removes it).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -70,11 +71,29 @@ class SaveJob:
         self.latest_tmp = os.path.join(save_dir, store.LATEST + ".tmp")
         self.moved = False  # rank 0: the finished directory is in place
 
-    def run(self, write_files, index, metadata: dict) -> str:
+    def run(self, prepare, write_files, index, metadata: dict) -> str:
         """The whole save on the calling thread: :meth:`begin`, :meth:`write`, :meth:`commit`."""
-        self.begin()
+        self.begin(prepare)
         payload, failure = self.write(write_files, index)
         return self.commit(payload, failure, metadata)
+
+    @contextlib.contextmanager
+    def peers_failing_named(self):
+        """Around the collective phases: a CheckpointError (the agreement's) passes; any
+        other exception is a collective that failed — a peer died or timed out — and becomes
+        a CheckpointError saying what that leaves on disk."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"saving checkpoint '{self.tag}' in {self.save_dir} failed on rank "
+                f"{self.comm.rank}: a collective with the other ranks failed "
+                f"({type(exc).__name__}: {exc}). Another rank probably died or stopped while "
+                f"writing; the previous checkpoint and '{store.LATEST}' in {self.save_dir} "
+                f"are unchanged (the unfinished .{self.tag}.partial is removed by the next "
+                f"save)") from exc
 
     def begin(self, prepare: Callable[[], None] | None = None) -> None:
         """Collective: rank 0 creates the partial directory; every rank runs *prepare*
@@ -181,38 +200,3 @@ class SaveJob:
         return (f"saving checkpoint '{self.tag}' in {self.save_dir} failed on {who}: {what}. "
                 f"{state}. Every rank can go on training and save again; to fix: "
                 f"{'; '.join(fixes)}")
-
-
-def save_files(comm, save_dir: str, tag: str, write_files: Callable[[str], dict], index,
-               metadata: dict, save_latest: bool = True) -> str:
-    """Collective: write checkpoint *tag* into *save_dir*; returns its final directory.
-
-    *write_files(directory)* writes this rank's files into *directory* and returns
-    ``{file name: (sha256, bytes)}``. *index* (JSON-able) is this rank's contribution to
-    the metadata: the list of every rank's is stored as ``metadata["ranks"]``. *metadata*
-    is read on rank 0 after every rank's *write_files* returned (so it may fill it).
-
-    Any failure on any rank (an exception in *write_files* included) raises the same
-    :class:`CheckpointError` on every rank as soon as all reach the phase's agreement,
-    naming the ranks, the cause (disk full, permission, directory missing: from the errno)
-    and the file; the partial files are removed and the previous checkpoint and ``latest``
-    are unchanged, and the ranks can go on. A rank that dies makes the others fail in a
-    collective (within the communicator's timeout); its partial directory stays until the
-    next save of the tag.
-    """
-    job = SaveJob(comm, save_dir, store.check_tag(tag), save_latest)
-    try:
-        return job.run(write_files, index, metadata)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # a collective failed: a peer died or timed out
-        raise peer_failed(job, comm.rank, exc) from exc
-
-
-def peer_failed(job: SaveJob, rank: int, exc: BaseException) -> CheckpointError:
-    return CheckpointError(
-        f"saving checkpoint '{job.tag}' in {job.save_dir} failed on rank {rank}: a "
-        f"collective with the other ranks failed ({type(exc).__name__}: {exc}). Another "
-        f"rank probably died or stopped while writing; the previous checkpoint and "
-        f"'{store.LATEST}' in {job.save_dir} are unchanged (the unfinished .{job.tag}.partial "
-        f"is removed by the next save)")

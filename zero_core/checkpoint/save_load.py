@@ -29,7 +29,7 @@ import random
 import torch
 
 from zero_core.checkpoint import store
-from zero_core.checkpoint.collective_save import SaveJob, peer_failed
+from zero_core.checkpoint.collective_save import SaveJob
 from zero_core.checkpoint.deepspeed_layout import deepspeed_tag_dir
 from zero_core.checkpoint.deepspeed_resume import load_deepspeed
 from zero_core.checkpoint.engine_state import (WEIGHT_KEYS, fragment_index, parameter_names,
@@ -202,7 +202,8 @@ class RankState:
         buf = io.BytesIO()
         torch.save(common_state(self.subject, self.client_state), buf)
         self.common = buf.getvalue()
-        self.metadata = engine_metadata(self.subject, described, self.fragments)
+        # filled in place: SaveJob.run holds this dict from before the save's first phase
+        self.metadata.update(engine_metadata(self.subject, described, self.fragments))
 
     def snapshot(self, cache: dict) -> None:
         """Replace the views by host copies (an async save), reusing *cache*'s buffers
@@ -307,20 +308,14 @@ def save_checkpoint(subject, save_dir: str, tag=None, client_state=None,
     tag = f"global_step{subject.counters['global_steps']}" if tag is None else str(tag)
     state = RankState(subject, client_state)
     job = SaveJob(subject.comm, save_dir, store.check_tag(tag), save_latest)
-    try:
+    with job.peers_failing_named():
         if background is None:
-            job.begin(state.prepare)
-            payload, failure = job.write(state.write_files, state.index)
-            return job.commit(payload, failure, state.metadata)
+            return job.run(state.prepare, state.write_files, state.index, state.metadata)
 
         def prepare():
             state.prepare()
             state.snapshot(background.buffers)
         job.begin(prepare)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # a collective failed: a peer died or timed out
-        raise peer_failed(job, subject.comm.rank, exc) from exc
     background.start(job, state)
     return job.final
 

@@ -47,7 +47,6 @@ class Checkpointing:
             self._restored_data = state
 
     # ---- saving ---------------------------------------------------------------------------------
-
     def after_update(self, step: int, save: Callable[[str], object]) -> None:
         """Collective, on every rank after optimizer step *step*; *save(directory)* is the
         engine's save_checkpoint."""
@@ -83,6 +82,12 @@ class Checkpointing:
         if final is not None:
             self._prune()
         return final
+
+    def close(self) -> None:
+        """Collective (the engine's destroy): commit the save in flight, then drop the host
+        buffers async saves reuse."""
+        self.wait()
+        self.background.release()
 
     def _prune(self) -> None:
         cfg = self.config

@@ -282,7 +282,8 @@ class ZeroEngine(torch.nn.Module):
     def step(self) -> None:
         """End of a micro-step: apply the update at gradient-accumulation boundaries."""
         self._require_training("engine.step")
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             if not self._backward_since_update:
                 raise ZeroCoreError(
                     f"engine.step() at an accumulation boundary (micro-step "
@@ -294,10 +295,9 @@ class ZeroEngine(torch.nn.Module):
                 self._optimizer_step()
                 self.parts.after_update()
             self._backward_since_update = False
-            self.micro_steps += 1
-            self._saves.after_update(self.global_steps, self.save_checkpoint)
-            return
         self.micro_steps += 1
+        if boundary:  # after the count: a save here records the finished micro-step
+            self._saves.after_update(self.global_steps, self.save_checkpoint)
 
     def _optimizer_step(self):
         self._update.run()
@@ -456,8 +456,7 @@ class ZeroEngine(torch.nn.Module):
         """Remove the engine's hooks (the model keeps its current values; at stage 3 the
         parameters stay partitioned: gather them with GatheredParameters); close monitors."""
         self._settle()
-        self.wait_for_checkpoint()
-        self._saves.background.release()
+        self._saves.close()
         self._close()
         self.parts.destroy()
 
