@@ -28,9 +28,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     """Build a :class:`ZeroEngine`; returns ``(engine, optimizer, training_dataloader,
     lr_scheduler)`` like ``deepspeed.initialize`` (the loader, built from *training_data*,
     is a DataLoader over a :class:`~zero_core.data.ResumableSampler`; else None). With
-    ``checkpoint.save_dir`` the newest checkpoint there is loaded (``checkpoint.resume``). *config*: dict, path to a JSON file, or Config. With no
-    optimizer (neither optimizer= nor an 'optimizer' section) the engine is an inference
-    engine, as DeepSpeed-Chat builds its frozen models: forward only, ``optimizer`` None."""
+    ``checkpoint.save_dir`` the newest checkpoint there is loaded (``checkpoint.resume``).
+    *config*: dict, path to a JSON file, or Config. With no optimizer (neither optimizer=
+    nor an 'optimizer' section) the engine is an inference engine, as DeepSpeed-Chat builds
+    its frozen models: forward only, ``optimizer`` None."""
     install_failure_report()  # first: a config error below is printed once per job, too
     if model is None:
         raise ConfigError("initialize() needs model=<torch.nn.Module>")

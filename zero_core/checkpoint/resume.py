@@ -79,10 +79,24 @@ def _nothing_to_resume(save_dir: str) -> str:
             f"\"auto\" to start from step 0 when there is nothing to resume")
 
 
+def saved_global_batch(meta: dict) -> int | None:
+    """The global batch (train_batch_size) a checkpoint's metadata records, or None
+    (checkpoints of earlier releases)."""
+    value = (meta.get("batch") or {}).get("train_batch_size")
+    return None if value is None else int(value)
+
+
+def accumulation_keeping(global_batch: int, micro: int, world_size: int) -> int | None:
+    """The accumulation steps with which *micro* x *world_size* ranks train *global_batch*
+    per step, or None when no whole number does. The engine's resume, ZeroCoreTrainer and
+    ZeroCoreStrategy all keep the saved global batch with it."""
+    per_micro_step = micro * world_size
+    return None if global_batch % per_micro_step else global_batch // per_micro_step
+
+
 def keep_global_batch(config, plan: ResumePlan, world_size: int):
     """*config* with the batch the resumed run trains with (see the module docstring)."""
-    saved = plan.meta.get("batch") or {}
-    saved_global = saved.get("train_batch_size")
+    saved_global = saved_global_batch(plan.meta)
     now = config.train_batch_size
     if saved_global is None or saved_global == now:
         return config
@@ -92,7 +106,8 @@ def keep_global_batch(config, plan: ResumePlan, world_size: int):
                      f"\"keep_micro\")")
         return config
     micro = config.train_micro_batch_size_per_gpu
-    if saved_global % (micro * world_size):
+    accumulation = accumulation_keeping(saved_global, micro, world_size)
+    if accumulation is None:
         raise ConfigError(
             f"resuming {plan.save_dir}/{plan.tags[0]} (global batch {saved_global} on "
             f"{saved_world} ranks) on {world_size} ranks: keeping the global batch needs "
@@ -100,7 +115,6 @@ def keep_global_batch(config, plan: ResumePlan, world_size: int):
             f"Set train_micro_batch_size_per_gpu to a divisor of "
             f"{saved_global // world_size if saved_global % world_size == 0 else '(none fits)'}"
             f", or checkpoint.resume_batch \"keep_micro\" to train with global batch {now}")
-    accumulation = saved_global // (micro * world_size)
     plan.note = (f"global batch {saved_global} kept: accumulation "
                  f"{config.gradient_accumulation_steps} -> {accumulation}")
     return dataclasses.replace(config, train_batch_size=saved_global,

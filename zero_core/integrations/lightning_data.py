@@ -11,7 +11,7 @@ many at the epoch's end not at all.
 
 What the strategy does (``ZeroCoreStrategy(resumable_data=True)``, the default):
 
-- :func:`resumable_loader`: the training DataLoader whose sampler is a torch
+- :func:`remade_resumable`: the training DataLoader whose sampler is a torch
   ``DistributedSampler`` for this rank (the one Lightning injects, or the user's own) is
   re-made over a :class:`LoopSampler` with the same ``shuffle`` and ``seed``. Its order
   is the DistributedSampler's (one permutation seeded by ``seed + epoch``, rank r reading
@@ -43,6 +43,7 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from zero_core.checkpoint import store
+from zero_core.checkpoint.resume import accumulation_keeping, saved_global_batch
 from zero_core.data import ResumableSampler
 from zero_core.errors import ConfigError
 
@@ -69,11 +70,11 @@ class TrainingData:
 
     def loader(self, dataloader, engine, trainer):
         """*dataloader*, made resumable when it is the training loader and
-        :func:`resumable_loader` can."""
+        :func:`remade_resumable` can."""
         if not (self.resumable and engine is not None and trainer.training):
             return dataloader
         previous = self.sampler if self.engine is engine else None
-        loader, sampler = resumable_loader(dataloader, engine, previous)
+        loader, sampler = remade_resumable(dataloader, engine, previous)
         if sampler is not None:
             self.engine, self.sampler = engine, sampler
         return loader
@@ -87,7 +88,7 @@ class TrainingData:
             align_loops(checkpoint, engine)
 
 
-def resumable_loader(dataloader, engine, previous: LoopSampler | None = None):
+def remade_resumable(dataloader, engine, previous: LoopSampler | None = None):
     """``(loader, sampler)``: *dataloader* re-made over a :class:`LoopSampler` (continuing
     *previous*, a sampler of the same engine whose loader this one replaces), or
     ``(dataloader, None)`` when its sampler is not a plain DistributedSampler of this
@@ -132,14 +133,14 @@ def check_global_batch(path: str, engine, resume_batch: str) -> None:
     """Refuse a checkpoint saved with another global batch unless *resume_batch* is
     "keep_micro" (see the module docstring)."""
     _, meta = store.read_metadata(path)
-    saved = (meta.get("batch") or {}).get("train_batch_size")
+    saved = saved_global_batch(meta)
     now = int(engine.config.train_batch_size)
-    if saved is None or int(saved) == now or resume_batch == "keep_micro":
+    if saved is None or saved == now or resume_batch == "keep_micro":
         return
-    saved = int(saved)
     micro, world = int(engine.config.train_micro_batch_size_per_gpu), engine.world_size
-    fix = (f"Trainer(accumulate_grad_batches={saved // (micro * world)})"
-           if saved % (micro * world) == 0 else
+    accumulation = accumulation_keeping(saved, micro, world)
+    fix = (f"Trainer(accumulate_grad_batches={accumulation})"
+           if accumulation is not None else
            f"a batch size and accumulate_grad_batches whose product with the {_ranks(world)} "
            f"is {saved}")
     raise ConfigError(

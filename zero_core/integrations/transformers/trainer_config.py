@@ -36,6 +36,7 @@ import copy
 import os
 
 from zero_core.checkpoint import store
+from zero_core.checkpoint.resume import accumulation_keeping, saved_global_batch
 from zero_core.config import read_config
 from zero_core.errors import ConfigError
 from zero_core.integrations.transformers.auto_values import fill_auto_values
@@ -171,12 +172,11 @@ def resume_accumulation(raw: dict, args, checkpoint: str) -> tuple[int, dict] | 
     if not os.path.exists(os.path.join(checkpoint, store.LATEST)):
         return None
     _, meta = store.read_metadata(checkpoint)
-    saved = (meta.get("batch") or {}).get("train_batch_size")
+    saved = saved_global_batch(meta)
     micro, world = args.per_device_train_batch_size, args.world_size
     now = micro * args.gradient_accumulation_steps * world
-    if saved is None or int(saved) == now:
+    if saved is None or saved == now:
         return None
-    saved = int(saved)
     where = (f"resuming {checkpoint} (global batch {saved}, saved by {meta.get('world_size')} "
              f"ranks) on {world} rank{'s' if world != 1 else ''} with global batch {now} "
              f"(per_device_train_batch_size {micro} x gradient_accumulation_steps "
@@ -189,12 +189,12 @@ def resume_accumulation(raw: dict, args, checkpoint: str) -> tuple[int, dict] | 
             f"steps of the saved size, so samples of the interrupted epoch would be trained "
             f"twice or skipped. Use \"keep_global\" (the default) or arguments whose global "
             f"batch is {saved}")
-    if saved % (micro * world):
+    accumulation = accumulation_keeping(saved, micro, world)
+    if accumulation is None:
         raise TrainerConfigConflict(
             f"{where}: keeping the global batch needs per_device_train_batch_size x world "
             f"size = {micro} x {world} to divide {saved}; choose a "
             f"per_device_train_batch_size that does (or a world size that does)")
-    accumulation = saved // (micro * world)
     config = copy.deepcopy(raw)
     value = config.get("gradient_accumulation_steps")
     if value is not None and value != "auto":
