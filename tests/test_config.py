@@ -37,8 +37,8 @@ def test_defaults():
     assert not cfg.bf16.enabled
     assert cfg.optimizer is None and cfg.scheduler is None
     z = cfg.zero_optimization
-    assert (z.stage, z.reduce_bucket_size, z.allgather_bucket_size) == (0, 5_000_000, 500_000_000)
-    assert z.overlap_comm and z.contiguous_gradients and z.reduce_scatter
+    assert (z.stage, z.reduce_bucket_size) == (0, 5_000_000)
+    assert z.overlap_comm and z.reduce_scatter
     assert (cfg.accelerator, cfg.comm_backend, cfg.comm_timeout) == (None, None, None)
     assert cfg.topology.ranks_per_node is None
     assert cfg.precision == "fp32" and cfg.compute_dtype is torch.float32
@@ -100,7 +100,6 @@ def test_a_typical_deepspeed_config_moves_over():
     assert cfg.scheduler.params["total_num_steps"] == 10000
     assert cfg.scheduler.params["warmup_type"] == "log"
     assert cfg.zero_optimization.stage == 2
-    assert cfg.zero_optimization.allgather_bucket_size == 200_000_000
 
 
 # --- batch size triple -------------------------------------------------------------------------
@@ -143,10 +142,10 @@ def test_batch_triple_errors():
 # --- values --------------------------------------------------------------------------------------
 
 def test_integral_floats_accepted_for_integers_and_types_checked():
-    cfg = parse_config({"zero_optimization": {"reduce_bucket_size": 5e8, "allgather_bucket_size": 1e3},
+    cfg = parse_config({"zero_optimization": {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 1e3},
                         "steps_per_print": 1e2})
     assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
-    assert isinstance(cfg.zero_optimization.allgather_bucket_size, int)
+    assert isinstance(cfg.zero_optimization.stage3_prefetch_bucket_size, int)
     assert isinstance(cfg.steps_per_print, int) and cfg.steps_per_print == 100
     msg = error_of({"zero_optimization": {"reduce_bucket_size": 1.5}})
     assert "'zero_optimization.reduce_bucket_size' = 1.5" in msg and "whole" in msg
@@ -193,7 +192,7 @@ def test_stage3_keys_and_their_spellings():
         .zero_optimization.stage3_max_live_parameters == 0
     msg = error_of({"zero_optimization": {"stage3_max_live_parameters": -1}})
     assert "'zero_optimization.stage3_max_live_parameters' = -1" in msg
-    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+    for key in ("reduce_bucket_size",):
         msg = error_of({"zero_optimization": {key: 0}})
         assert f"'zero_optimization.{key}' = 0" in msg and ">= 1" in msg
 
@@ -229,7 +228,6 @@ def test_optimizer():
     assert adam.type == "Adam" and adam.adamw_mode and adam.lr == 0.01
     assert (adam.betas, adam.eps, adam.weight_decay, adam.bias_correction) == ((0.9, 0.999), 1e-8, 0.0, True)
     l2 = parse_config({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False,
-                                                                "torch_adam": True,
                                                                 "bias_correction": False}}}).optimizer
     assert not l2.adamw_mode and not l2.bias_correction and l2.lr == 1e-3
     assert parse_config({"optimizer": {"type": "ADAMW"}}).optimizer.type == "AdamW"

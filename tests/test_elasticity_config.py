@@ -141,7 +141,6 @@ def test_unknown_keys_and_bad_values_are_errors():
     assert "'elasticity.version' = 0.3" in error_of({"elasticity": dict(DOCS, version=0.3)})
     assert "'elasticity.micro_batch_sizes' = 4" in error_of(
         {"elasticity": dict(DOCS, micro_batch_sizes=4)})
-    assert "'elasticity.min_time' = -1" in error_of({"elasticity": dict(DOCS, min_time=-1)})
     assert "'elasticity.max_train_batch_size' is missing" in error_of(
         {"elasticity": {"enabled": True, "micro_batch_sizes": [2]}})
 

@@ -143,7 +143,7 @@ def test_offload_config_keys():
         "stage": 3, "sub_group_size": 1e6,
         "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "pin_memory": True,
                               "buffer_count": 5, "fast_init": True, "ratio": 1.0,
-                              "pipeline_read": True, "pipeline_write": False},
+                              "pipeline_read": True, "pipeline_write": False},  # no effect
         "offload_param": {"device": "nvme", "nvme_path": "/y", "buffer_count": 6,
                           "buffer_size": 1e7, "max_in_cpu": 0}}}).zero_optimization
     assert cfg.sub_group_size == 1_000_000

@@ -49,7 +49,7 @@ What zero-core does where DeepSpeed differs or cannot apply:
   keeping the global batch is the point of the section, and the message names the batch
   DeepSpeed would have used.)
 * ``model_parallel_size`` > 1 is refused by name: zero-core is data parallel only.
-* ``min_time`` is a hint to the resource scheduler: validated (>= 0), no effect on training.
+* ``min_time`` is a hint to the resource scheduler: accepted without effect (``NO_EFFECT_KEYS``).
   ``num_gpus_per_node`` has no effect with version 0.1, as in DeepSpeed.
 * ``DEEPSPEED_ELASTICITY_CONFIG`` in the environment (the elastic config the resource scheduler
   planned with) must agree with the section on ``max_train_batch_size``,
@@ -64,7 +64,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from zero_core.config.checks import _as_bool, _as_float, _as_int, _fail, _Section
+from zero_core.config.checks import _as_bool, _as_int, _fail, _Section
 from zero_core.errors import ConfigError, ConfigWarning
 
 __all__ = ["ElasticitySettings", "ElasticPlan", "HCN_LIST", "parse_elasticity", "elastic_plan",
@@ -94,7 +94,6 @@ class ElasticitySettings:
     version: float = 0.2
     num_gpus_per_node: int = 1
     model_parallel_size: int = 1
-    min_time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -168,8 +167,7 @@ def parse_elasticity(raw: Any) -> ElasticitySettings | None:
         ignore_non_elastic_batch_info=s.get("ignore_non_elastic_batch_info", False, _as_bool),
         version=s.get("version", 0.2, _version),
         num_gpus_per_node=s.get("num_gpus_per_node", 1, _as_int, 1),
-        model_parallel_size=s.get("model_parallel_size", 1, _as_int, 1),
-        min_time=s.get("min_time", 0.0, _as_float, 0.0))
+        model_parallel_size=s.get("model_parallel_size", 1, _as_int, 1))
     if cfg.max_gpus < cfg.min_gpus:
         raise _fail("elasticity.max_gpus", cfg.max_gpus,
                     f"must be >= elasticity.min_gpus = {cfg.min_gpus}")

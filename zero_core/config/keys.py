@@ -21,8 +21,6 @@ steps_per_print                                                   10            
 wall_clock_breakdown                                              false         bool; per-phase ms (fwd, bwd, step, ...)
                                                                                 and MB sent, at the steps_per_print
                                                                                 cadence; synchronizes: diagnostic only
-zero_allow_untested_optimizer                                     false         bool; accepted, no effect (the engine
-                                                                                checks client optimizers itself)
 fp16.enabled                                                      false         bool (not together with bf16)
 fp16.loss_scale                                                   0.0           0 = dynamic, > 0 = static scale
 fp16.initial_scale_power                                          16            dynamic scale starts at 2**power
@@ -96,7 +94,6 @@ optimizer.params.weight_decay                                     0.0           
 optimizer.params.adam_w_mode (Adam, AdamW)                        true          decoupled decay; DeepSpeed's default
                                                                                 for "Adam" too; false is refused for AdamW
 optimizer.params.bias_correction (Adam, AdamW)                    true          bool
-optimizer.params.torch_adam (Adam, AdamW)                         false         accepted, no effect
 optimizer.params.max_coeff (Lamb)                                 10.0          > 0, upper clamp of the trust ratio
 optimizer.params.min_coeff (Lamb)                                 0.01          >= 0, lower clamp of the trust ratio
 optimizer.params.momentum (SGD)                                   0.0           >= 0
@@ -115,9 +112,7 @@ scheduler.params.cos_min_ratio (WarmupCosineLR)                   1e-4          
 scheduler.params.last_batch_iteration                             -1            >= -1 (resume position)
 zero_optimization.stage                                           0             0, 1, 2 or 3
 zero_optimization.reduce_bucket_size                              5e6           elements, >= 1
-zero_optimization.allgather_bucket_size                           5e8           elements, >= 1
 zero_optimization.overlap_comm                                    true          bool
-zero_optimization.contiguous_gradients                            true          bool
 zero_optimization.reduce_scatter                                  true          bool
 zero_optimization.stage3_prefetch_bucket_size                     5e7           elements gathered ahead of use, >= 0
 zero_optimization.stage3_param_persistence_threshold              1e5           parameters with fewer elements stay
@@ -163,13 +158,7 @@ zero_optimization.offload_optimizer.pin_memory                    false         
                                                                                 accelerator has pinning (no-op on the CPU)
 zero_optimization.offload_optimizer.buffer_count                  4             sub-group buffers in host memory (nvme):
                                                                                 read-ahead + compute + write-behind, >= 3
-zero_optimization.offload_optimizer.fast_init                     false         bool; accepted, no effect (state files
-                                                                                always start as sparse zero files)
 zero_optimization.offload_optimizer.ratio                         1.0           only 1.0 (everything offloaded)
-zero_optimization.offload_optimizer.pipeline_read                 false         bool; accepted, no effect (reads are
-                                                                                always pipelined)
-zero_optimization.offload_optimizer.pipeline_write                false         bool; accepted, no effect (writes are
-                                                                                always pipelined)
 zero_optimization.offload_param.device                            "none"        "none" | "cpu" | "nvme": stage-3 parameter
                                                                                 partitions in host memory / files
 zero_optimization.offload_param.nvme_path                         null          directory for the parameter files (nvme)
@@ -219,8 +208,6 @@ hybrid_engine.release_inference_cache                             false         
                                                                                 generate returns (else at training)
 hybrid_engine.pin_parameters                                      true          bool; gather the whole model once per
                                                                                 generate (false: within the budget)
-hybrid_engine.tp_gather_partition_size                            8             >= 1; layers per gather with tensor
-                                                                                parallelism (no effect at tp size 1)
 elasticity.enabled                                                false         bool; true: the batch triple is computed
                                                                                 (zero_core/config/elasticity.py); false:
                                                                                 the section has no effect
@@ -229,8 +216,6 @@ elasticity.micro_batch_sizes                                      required      
                                                                                 rank candidates)
 elasticity.min_gpus                                               1             >= 1, smallest world size planned for
 elasticity.max_gpus                                               10000         >= min_gpus, largest world size planned
-elasticity.min_time                                               0             >= 0; accepted, no effect (a hint to the
-                                                                                resource scheduler)
 elasticity.prefer_larger_batch                                    true          bool; tie-break between global batches
 elasticity.ignore_non_elastic_batch_info                          false         bool; true: elastic values override the
                                                                                 batch keys (else those are refused)
@@ -284,8 +269,7 @@ __all__ = ["SUPPORTED_KEYS", "NO_EFFECT_KEYS", "NOT_YET_IMPLEMENTED", "NEUTRAL_V
 # dotted path; sections whose keys depend on a "type" get ":<Type>" appended.
 # ---------------------------------------------------------------------------------------------
 
-_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction",
-                "torch_adam")
+_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction")
 _WARMUP_PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
                   "last_batch_iteration")
 
@@ -293,7 +277,7 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
     "": ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
          "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler",
          "zero_optimization", "steps_per_print", "wall_clock_breakdown",
-         "zero_allow_untested_optimizer", "activation_checkpointing",
+         "activation_checkpointing",
          "communication_data_type", "prescale_gradients", "gradient_predivide_factor",
          "data_types", "torch_autocast", "checkpoint",
          "tensorboard", "csv_monitor", "wandb", "comet",
@@ -314,8 +298,7 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
     "scheduler.params:WarmupDecayLR": _WARMUP_PARAMS + ("total_num_steps",),
     "scheduler.params:WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps",
                                         "cos_min_ratio", "warmup_type", "last_batch_iteration"),
-    "zero_optimization": ("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-                          "contiguous_gradients", "reduce_scatter",
+    "zero_optimization": ("stage", "reduce_bucket_size", "overlap_comm", "reduce_scatter",
                           "stage3_prefetch_bucket_size", "prefetch_bucket_size",
                           "stage3_param_persistence_threshold", "param_persistence_threshold",
                           "stage3_max_live_parameters", "max_live_parameters",
@@ -329,8 +312,7 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
                           "mics_shard_size", "mics_hierarchical_params_gather",
                           "node_aware_collectives"),
     "zero_optimization.offload_optimizer": ("device", "nvme_path", "pin_memory", "buffer_count",
-                                            "fast_init", "ratio", "pipeline_read",
-                                            "pipeline_write"),
+                                            "ratio"),
     "zero_optimization.offload_param": ("device", "nvme_path", "pin_memory", "buffer_count",
                                         "buffer_size", "max_in_cpu"),
     "data_types": ("grad_accum_dtype", "param_dtype"),
@@ -344,11 +326,11 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
               "experiment_name", "experiment_key", "online", "mode"),
     "topology": ("ranks_per_node",),
     "elasticity": ("enabled", "max_train_batch_size", "micro_batch_sizes", "min_gpus", "max_gpus",
-                   "min_time", "prefer_larger_batch", "ignore_non_elastic_batch_info", "version",
+                   "prefer_larger_batch", "ignore_non_elastic_batch_info", "version",
                    "num_gpus_per_node", "model_parallel_size"),
     "generation": ("max_live_parameters",),
     "hybrid_engine": ("enabled", "max_out_tokens", "inference_tp_size", "release_inference_cache",
-                      "pin_parameters", "tp_gather_partition_size"),
+                      "pin_parameters"),
     "safety": ("nonfinite_gradients", "max_consecutive_skips", "check_ranks_agree",
                "check_batch_sizes", "launcher_notice"),
     "activation_checkpointing": ("partition_activations", "cpu_checkpointing",
@@ -360,6 +342,21 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
 # not have, and that DeepSpeed documents as leaving the training result unchanged: accepted at
 # any value, without effect (the reason is what the reference table below says).
 NO_EFFECT_KEYS: dict[str, str] = {
+    "zero_allow_untested_optimizer": "DeepSpeed's permission for client optimizers under ZeRO; "
+                                     "zero-core checks a client optimizer itself (element-wise "
+                                     "update rules only at stages 1-2)",
+    "optimizer.params.torch_adam": "picks torch.optim.Adam instead of DeepSpeed's fused Adam "
+                                   "kernel (the same update; zero-core picks its own kernel)",
+    "zero_optimization.allgather_bucket_size": "the bucket size of DeepSpeed's stage 1-2 "
+                                               "all-gather of updated parameters (speed and "
+                                               "memory only; zero-core gathers per group)",
+    "zero_optimization.contiguous_gradients": "whether DeepSpeed copies gradients into one "
+                                              "buffer (memory fragmentation only; zero-core's "
+                                              "gradients always live in flat buffers)",
+    "hybrid_engine.tp_gather_partition_size": "layers per gather under tensor parallelism, "
+                                              "which is off (inference_tp_size must be 1)",
+    "elasticity.min_time": "a hint to the cluster's resource scheduler; DeepSpeed's batch "
+                           "computation does not read it either",
     "zero_force_ds_cpu_optimizer": "picks DeepSpeed's CPU Adam kernel for offload; zero-core "
                                    "always steps offloaded states with its own CPU kernel",
     "aio": "tunes DeepSpeed's async-I/O library; zero-core's NVMe path has its own I/O",
@@ -387,6 +384,13 @@ NO_EFFECT_KEYS: dict[str, str] = {
                                                              "modules into fetches (speed only)",
     "zero_optimization.module_granularity_threshold": "how DeepSpeed groups small modules into "
                                                       "fetches (speed only)",
+    "zero_optimization.offload_optimizer.fast_init": "DeepSpeed's fast NVMe state-file "
+                                                     "initialisation; zero-core's state files "
+                                                     "always start as sparse zero files",
+    "zero_optimization.offload_optimizer.pipeline_read": "DeepSpeed's overlapped NVMe reads; "
+                                                         "zero-core's are always overlapped",
+    "zero_optimization.offload_optimizer.pipeline_write": "DeepSpeed's overlapped NVMe writes; "
+                                                          "zero-core's are always overlapped",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "CPU cores DeepSpeed's CPU Adam "
                                                               "uses (speed only)",
     "checkpoint.parallel_write": "pipeline-stage parallel writes (no pipeline here)",

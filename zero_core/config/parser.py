@@ -111,7 +111,6 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig | None:
         betas=p.get("betas", (0.9, 0.999), _parse_betas),
         eps=p.get("eps", 1e-8, _as_float, lo=0.0, lo_open=True),
         bias_correction=p.get("bias_correction", True, _as_bool),
-        torch_adam=p.get("torch_adam", False, _as_bool),
     )
 
 
@@ -218,9 +217,7 @@ def _parse_offload(s: "_Section", stage: int) -> dict:
     opt = OffloadOptimizerConfig(
         device=device, nvme_path=path, pin_memory=sub.get("pin_memory", False, _as_bool),
         buffer_count=sub.get("buffer_count", 4, _as_int, 3),
-        fast_init=sub.get("fast_init", False, _as_bool), ratio=ratio,
-        pipeline_read=sub.get("pipeline_read", False, _as_bool),
-        pipeline_write=sub.get("pipeline_write", False, _as_bool))
+        ratio=ratio)
     sub, device, path = _parse_offload_section(s, "offload_param", stage)
     if device != "none" and stage != 3:
         # DeepSpeed reads offload_param only at stage 3 and ignores it below: so do we, aloud
@@ -264,9 +261,7 @@ def _parse_zero(raw: Any, world_size: int = 1) -> ZeroConfig:
     return ZeroConfig(
         stage=stage,
         reduce_bucket_size=s.get("reduce_bucket_size", 5_000_000, _as_int, 1),
-        allgather_bucket_size=s.get("allgather_bucket_size", 500_000_000, _as_int, 1),
         overlap_comm=s.get("overlap_comm", True, _as_bool),
-        contiguous_gradients=s.get("contiguous_gradients", True, _as_bool),
         reduce_scatter=s.get("reduce_scatter", True, _as_bool),
         stage3_prefetch_bucket_size=stage3(
             ("stage3_prefetch_bucket_size", "prefetch_bucket_size"), 50_000_000, _as_int, 0),
@@ -385,8 +380,7 @@ def _parse_hybrid_engine(raw: Any) -> HybridEngineConfig:
         max_out_tokens=s.get("max_out_tokens", 512, _as_int, 1),
         inference_tp_size=s.get("inference_tp_size", 1, _as_int, 1),
         release_inference_cache=s.get("release_inference_cache", False, _as_bool),
-        pin_parameters=s.get("pin_parameters", True, _as_bool),
-        tp_gather_partition_size=s.get("tp_gather_partition_size", 8, _as_int, 1))
+        pin_parameters=s.get("pin_parameters", True, _as_bool))
     if cfg.enabled and cfg.inference_tp_size > 1:
         raise _fail("hybrid_engine.inference_tp_size", cfg.inference_tp_size,
                     "tensor parallelism for generation is not implemented in zero-core (it is "
@@ -531,7 +525,6 @@ def parse_config(config: Any = None, world_size: int = 1) -> Config:
         zero_optimization=_parse_zero(top.raw.get("zero_optimization"), world_size),
         steps_per_print=top.get("steps_per_print", 10, _steps_per_print),
         wall_clock_breakdown=top.get("wall_clock_breakdown", False, _as_bool),
-        zero_allow_untested_optimizer=top.get("zero_allow_untested_optimizer", False, _as_bool),
         accelerator=top.get("accelerator", None, _optional(_as_name)),
         comm_backend=top.get("comm_backend", None, _optional(_as_name)),
         comm_timeout=top.get("comm_timeout", None, _optional(_as_float), lo=0.0, lo_open=True),

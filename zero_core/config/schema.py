@@ -115,7 +115,6 @@ class OptimizerConfig:
     momentum: float = 0.0
     dampening: float = 0.0
     nesterov: bool = False
-    torch_adam: bool = False  # accepted for compatibility; zero-core picks its own kernel
     # Lamb: the trust ratio ||w|| / ||update|| is clamped to [min_coeff, max_coeff]
     max_coeff: float = 10.0
     min_coeff: float = 0.01
@@ -143,10 +142,7 @@ class OffloadOptimizerConfig:
     nvme_path: str | None = None
     pin_memory: bool = False
     buffer_count: int = 4
-    fast_init: bool = False
     ratio: float = 1.0
-    pipeline_read: bool = False
-    pipeline_write: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -177,9 +173,7 @@ class ZeroConfig:
 
     stage: int = 0
     reduce_bucket_size: int = 5_000_000  # DeepSpeed: 5e8 (see zero_core.config.keys)
-    allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = True
-    contiguous_gradients: bool = True
     reduce_scatter: bool = True
     # stage 3 (elements; DeepSpeed's defaults)
     stage3_prefetch_bucket_size: int = 50_000_000
@@ -258,15 +252,13 @@ class HybridEngineConfig:
     ``enabled``, ``pin_parameters`` gathers the whole model once per call (false: within the
     generation budget), ``release_inference_cache`` frees the gathered copies when generate
     returns (false: when training resumes), ``max_out_tokens`` bounds prompt plus new
-    tokens. ``inference_tp_size`` must be 1 (no tensor parallelism here), which leaves
-    ``tp_gather_partition_size`` without effect, as in DeepSpeed at tensor-parallel size 1."""
+    tokens. ``inference_tp_size`` must be 1 (no tensor parallelism here)."""
 
     enabled: bool = False
     max_out_tokens: int = 512
     inference_tp_size: int = 1
     release_inference_cache: bool = False
     pin_parameters: bool = True
-    tp_gather_partition_size: int = 8
 
 
 @dataclass(frozen=True)
@@ -298,9 +290,6 @@ class Config:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     steps_per_print: int | None = 10  # None: never (Accelerate's float("inf"))
     wall_clock_breakdown: bool = False
-    # DeepSpeed's permission for client optimizers under ZeRO. Accepted without effect: the
-    # engine checks a client optimizer itself (element-wise update rules only at stages 1-2).
-    zero_allow_untested_optimizer: bool = False
     accelerator: str | None = None
     comm_backend: str | None = None
     comm_timeout: float | None = None
@@ -359,7 +348,6 @@ class Config:
             "zero_optimization": dataclasses.asdict(self.zero_optimization),
             "steps_per_print": self.steps_per_print,
             "wall_clock_breakdown": self.wall_clock_breakdown,
-            "zero_allow_untested_optimizer": self.zero_allow_untested_optimizer,
             "accelerator": self.accelerator,
             "comm_backend": self.comm_backend,
             "comm_timeout": self.comm_timeout,
@@ -393,8 +381,6 @@ class Config:
                 if opt.type == "Lamb":
                     params.update(max_coeff=opt.max_coeff, min_coeff=opt.min_coeff)
                     del params["adam_w_mode"]
-                else:
-                    params["torch_adam"] = opt.torch_adam
             out["optimizer"] = {"type": opt.type, "params": params}
         if self.scheduler is not None:
             params = {k: (list(v) if isinstance(v, tuple) else v)
