@@ -23,6 +23,12 @@ fallback of the others); ``info["quantize"]`` names the module, and for ``quant_
 ``info["quantize_native_missing"]``: why not native). The engine reaches them only
 through ``runtime.kernels.extra``.
 
+IPEX (Intel Extension for PyTorch): where it is installed, the cpu set's ``info["ipex"]``
+says whether it matches this torch (``backends/accelerators/ipex.py``; a mismatched IPEX is
+refused unimported, with the reason). The cpu set keeps torch's fused ops either way: IPEX
+2.8's fused Adam (``torch.ops.torch_ipex.adam_fused_step``; it has no AdamW op) runs at the
+same memory bandwidth (ci/bench/ipex_kernels.py), and importing IPEX costs seconds.
+
 There is no Triton optimizer kernel: torch's fused ops already read and write each buffer
 once per step. Each KernelSet's ``info`` names the functions that back it and, for a
 fallback, why; ``zero-core report`` prints it. Modules that need a vendor library (triton,
@@ -39,6 +45,8 @@ import torch
 from zero_core.errors import PluginError
 from zero_core.interfaces.accelerator import module_present
 from zero_core.interfaces.kernels import KernelSet
+
+from .accelerators import ipex
 
 
 PACKAGE = "zero_core.accel_kernels"
@@ -175,11 +183,15 @@ def builtin_kernel_sets() -> list[KernelSet]:
     sets = [_with_quant(_reference_set("reference", reference), QUANT_REFERENCE)]
 
     cpu, why = _import_kernels(CPU)
+    ipex_kind, ipex_why = ipex.state()
+    ipex_info = {} if ipex_kind == "absent" else {"ipex": ipex_why}
     if cpu is not None:
         sets.append(_with_quant(KernelSet("cpu", cpu.adam_step, cpu.sgd_step, info={
-            "implementation": _summary(cpu), **_names(CPU)}, skips_on_device=True), QUANT_CPU))
+            "implementation": _summary(cpu), **_names(CPU), **ipex_info},
+            skips_on_device=True), QUANT_CPU))
     else:
-        sets.append(_with_quant(_reference_set("cpu", reference, fallback_reason=why), QUANT_CPU))
+        sets.append(_with_quant(_reference_set("cpu", reference, fallback_reason=why,
+                                               **ipex_info), QUANT_CPU))
 
     sets.append(_with_quant(_device_set("cuda", reference), *_device_quant_module()))
     sets.append(_with_quant(_device_set("xpu", reference), *_device_quant_module()))

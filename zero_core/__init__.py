@@ -18,6 +18,10 @@ Generation inside training loops (RLHF, GRPO): ``engine.generate(...)`` and
 ``zero_core.gathered_for_generation(engine)`` (docs/GENERATION.md).
 """
 from zero_core.version import __version__  # noqa: F401
+# an unsupported torch is refused here, by name, before any module uses its APIs
+from zero_core.runtime.torch_support import check_torch as _check_torch  # noqa: E402
+
+_check_torch()
 
 import sys as _sys  # noqa: E402
 

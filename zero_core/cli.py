@@ -98,6 +98,8 @@ def versions() -> dict:
     if getattr(torch.version, "hip", None):
         builds.append(f"ROCm {torch.version.hip}")
     result["torch"] = f"{torch.__version__} ({', '.join(builds) or 'no CUDA/ROCm'})"
+    from zero_core.runtime.torch_support import status
+    result["torch support"] = status()[1]
     result["MPI library"] = mpi_library_version()
     from zero_core.testing.ranks import mpirun_path
     result["mpirun"] = mpirun_path() or "not found"

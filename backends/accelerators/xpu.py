@@ -1,7 +1,8 @@
 """The XPU accelerator: Intel GPUs through ``torch.xpu`` (torch >= 2.4 XPU builds).
 
-``intel_extension_for_pytorch`` (IPEX) is imported when it is installed, because older
-torch releases get their XPU device from it and newer ones still get its optimized ops.
+``intel_extension_for_pytorch`` (IPEX) is imported when it is installed and built for this
+torch (``ipex.py`` checks that first), because older torch releases get their XPU device
+from it and newer ones still get its optimized ops.
 The default communicator is torch's own ``xccl`` when this torch has it, otherwise
 ``ccl`` (oneCCL bindings for PyTorch). Nothing vendor-specific is imported at module
 import. Not run on an Intel GPU yet: covered by selection and contract tests only.
@@ -12,22 +13,17 @@ import os
 
 import torch
 
-from zero_core.interfaces.accelerator import Accelerator, module_present
+from zero_core.interfaces.accelerator import Accelerator
 
-from . import torch_build
+from . import ipex, torch_build
 
-IPEX = "intel_extension_for_pytorch"
+IPEX = ipex.MODULE
 
 
 def _load_ipex() -> str | None:
-    """Import IPEX if installed; None when fine or absent, else why it failed."""
-    if not module_present(IPEX):
-        return None
-    try:
-        __import__(IPEX)
-    except Exception as exc:  # an IPEX built for another torch raises at import
-        return f"{IPEX} is installed but failed to import ({type(exc).__name__}: {exc})"
-    return None
+    """Import IPEX if installed and built for this torch; None when fine or absent, else why
+    not (an IPEX built for another torch is refused unimported: ipex.py)."""
+    return ipex.load(for_xpu=True)
 
 
 def xccl_available() -> bool:
@@ -54,7 +50,7 @@ class XpuAccelerator(Accelerator):
                            f"built for XPU (or {IPEX} for older torch)")
         if not xpu.is_available() or xpu.device_count() == 0:
             compiled = getattr(xpu, "_is_compiled", lambda: True)()
-            if not compiled and not module_present(IPEX):
+            if not compiled and (ipex.state()[0] != "ok" or not ipex.xpu_build()):
                 why = (f"torch was built without XPU support ({torch_build()}); install "
                        f"torch's XPU build (pytorch.org, 'Get started', compute platform XPU)")
             else:
@@ -130,7 +126,7 @@ class XpuAccelerator(Accelerator):
     def describe(self) -> dict:
         facts = super().describe()
         facts["default_comm"] = self.default_comm_for(None)
-        facts["ipex"] = "installed" if module_present(IPEX) else "not installed"
+        facts["ipex"] = ipex.state()[1]
         if self.availability()[0]:
             props = torch.xpu.get_device_properties(torch.xpu.current_device())
             facts.update(device_name=props.name, total_memory=props.total_memory)

@@ -40,6 +40,7 @@ import zipfile
 import torch
 
 from zero_core.checkpoint.store import CheckpointError
+from zero_core.runtime.torch_support import safe_globals
 
 
 # ---- the stand-ins ---------------------------------------------------------------------------
@@ -188,7 +189,7 @@ def load_deepspeed_file(path: str, mmap: bool = True):
     pairs = [(cls, name) for name, cls in DEEPSPEED_STAND_INS.items()]
     use_mmap = mmap and zipfile.is_zipfile(path)
     try:
-        with torch.serialization.safe_globals(pairs):
+        with safe_globals(pairs):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
     except CheckpointError:
         raise

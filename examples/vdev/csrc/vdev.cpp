@@ -799,3 +799,9 @@ TORCH_LIBRARY(vdev, m) {
 TORCH_LIBRARY_IMPL(vdev, PrivateUse1, m) {
   m.impl("host_view", TORCH_FN(vdev::op_host_view));
 }
+
+// host_view carries no gradient: autograd passes through. torch 2.8 has no autograd
+// fallback for PrivateUse1 (later releases do), so without this the op is not found there.
+TORCH_LIBRARY_IMPL(vdev, AutogradPrivateUse1, m) {
+  m.impl("host_view", torch::CppFunction::makeFallthrough());
+}
