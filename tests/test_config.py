@@ -248,8 +248,8 @@ def test_optimizer():
     assert "'optimizer.params.betas[1]' = 1.0" in msg and "[0, 1)" in msg
     assert "'optimizer.params.betas' = 0.9" in error_of({"optimizer": {"type": "Adam", "params": {"betas": 0.9}}})
     assert "'optimizer.params.eps' = 0" in error_of({"optimizer": {"type": "Adam", "params": {"eps": 0}}})
-    msg = error_of({"optimizer": {"type": "OneBitAdam"}})
-    assert "OneBitAdam optimizer is not implemented yet" in msg and "Adam, AdamW, SGD, Lamb" in msg
+    msg = error_of({"optimizer": {"type": "Muon"}})
+    assert "Muon optimizer is not implemented yet" in msg and "Adam, AdamW, SGD, Lamb" in msg
     lamb = parse_config({"optimizer": {"type": "lamb", "params": {"lr": 0.01, "max_coeff": 0.3,
                                                                   "min_coeff": 0.08}}}).optimizer
     assert (lamb.type, lamb.lr, lamb.max_coeff, lamb.min_coeff) == ("Lamb", 0.01, 0.3, 0.08)
@@ -331,9 +331,6 @@ def test_unknown_top_level_keys_warn_as_deepspeed_ignores_them():
 NOT_IMPLEMENTED_CASES = [
     ({"zero_optimization": {"stage3_model_persistence_threshold": 1e6}},
      "zero_optimization.stage3_model_persistence_threshold"),
-    ({"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "super_offload": True}, "stage": 2}},
-     "zero_optimization.offload_optimizer.super_offload"),
     ({"zero_optimization": {"stage3_some_future_option": 1}}, "zero_optimization.stage3_some_future_option"),
     ({"zero_optimization": {"allgather_partitions": False}}, "zero_optimization.allgather_partitions"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
@@ -346,7 +343,6 @@ NOT_IMPLEMENTED_CASES = [
     ({"compile": {"deepcompile": True}}, "compile"),    ({"sparse_gradients": True}, "sparse_gradients"),
     ({"pipeline": {"stages": "auto"}}, "pipeline"),
     ({"autotuning": {"enabled": True}}, "autotuning"),
-    ({"flops_profiler": {"enabled": True}}, "flops_profiler"),
     ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
      "compression_training"),
     ({"data_efficiency": {"enabled": True}}, "data_efficiency"),

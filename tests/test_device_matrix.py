@@ -10,7 +10,8 @@ difference, any refused op and any engine-owned tensor on the wrong side
 
 Each launch runs tests/workers/device_matrix.py's scenarios (stages 0-3 in fp32/bf16/fp16
 with gradient accumulation and clipping, zero_core.Init, activation checkpointing with
-cpu_checkpointing, qwZ/hpZ/qgZ, offload_optimizer and offload_param to cpu and nvme, and a
+cpu_checkpointing, qwZ/hpZ/qgZ, offload_optimizer and offload_param to cpu and nvme, offload_param
+alone (``off_ponly_*``: the optimizer on the device), and a
 checkpoint saved on one device and resumed on the other) once with
 ZERO_CORE_ACCELERATOR=cpu and once with =vdev: every scenario on 2 ranks over gloo
 (torchrun); over MPI (mpirun, 2 ranks) one scenario per path whose traffic differs (each stage,
@@ -39,7 +40,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "device_matrix.py")
 COMM = {"torchrun": "gloo", "mpirun": "mpi"}
 ALL = ("s0", "s1", "s2", "s3", "s2_bf16", "s2_fp16", "s3_bf16", "s3_fp16", "s3_init",
        "s3_actckpt", "zpp_qwz", "zpp_hpz", "zpp_qgz", "off_opt_cpu", "off_opt_nvme",
-       "off_param_cpu", "off_param_nvme", "ckpt", "ckpt_off")
+       "off_param_cpu", "off_param_nvme", "off_ponly_cpu", "off_ponly_nvme", "ckpt", "ckpt_off")
 # vdev's own device-aware transport (vdev-gloo: gloo on device memory, as nccl on a GPU):
 # no bulk staging; the engine's host-side collectives go through device buffers
 NATIVE = ("s0", "s2_bf16", "s3", "s3_init", "zpp_qwz", "zpp_qgz", "off_opt_cpu",
@@ -207,3 +208,11 @@ def test_host_device_traffic_is_counted(where, tmp_path_factory):
             # when a unit is gathered (forward, and backward for the units not kept)
             assert offload["offload_optimizer"]["h2d"] == 0, name
             assert offload["offload_param"]["h2d"] >= rep["partition_numel"] * rep["param_bytes"], name
+        if name.startswith("off_ponly"):
+            # offload_param alone: the optimizer steps on the device (nothing of it crosses);
+            # each step writes this rank's updated partition into the host store once
+            # (compute dtype), and gathers bring units up as above
+            part = rep["partition_numel"] * rep["param_bytes"]
+            assert "offload_optimizer" not in offload, name
+            assert offload["offload_param"]["d2h"] == part, name
+            assert offload["offload_param"]["h2d"] >= part, name

@@ -90,9 +90,10 @@ def test_torch_autocast_runs_the_forward_under_autocast_and_keeps_fp32_parameter
         engine.destroy()
 
 
-def test_torch_autocast_excludes_fp16_and_bf16():
+def test_torch_autocast_excludes_fp16():
+    # bf16 + torch_autocast is DeepSpeed's combination: tests/test_torch_autocast.py
     with pytest.raises(ConfigError, match="torch_autocast.enabled"):
-        engine_for(Probe(), torch_autocast={"enabled": True}, bf16={"enabled": True})
+        engine_for(Probe(), torch_autocast={"enabled": True}, fp16={"enabled": True})
 
 
 @pytest.mark.parametrize("stage", [0, 2])

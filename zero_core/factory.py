@@ -64,6 +64,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     loader = None
     if training_data is not None:  # DeepSpeed's deepspeed_io: a loader that resumes
         loader = resumable_loader(training_data, engine, collate_fn)
+        if engine.optimizer is not None:  # ZenFlow selects columns per epoch
+            engine.optimizer.set_steps_per_epoch(len(loader) // engine.gradient_accumulation_steps)
     if plan is not None:
         tag_dir, engine.resumed_client_state = resume.load(plan, engine.module,
                                                            engine.load_checkpoint)

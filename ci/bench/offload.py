@@ -5,6 +5,8 @@ weights and parameters offloaded to files on a local disk).
     python ci/bench/offload.py [--ranks 4] [--steps 3] [--nvme-dir /work/offload_bench]
                                [--budget-gb 14] [--json out.json]
     python ci/bench/offload.py --replot docs/images/offload.json   # redraw the chart only
+    ZERO_CORE_ACCELERATOR=vdev python ci/bench/offload.py --accelerations [--rounds 5]
+        # plain offload beside ratio < 1 and super_offload (accelerations())
 
 Bounded time: each mode tries an explicit, increasing list of sizes (``--stage3-sizes``,
 ``--nvme-sizes``, as LAYERSxWIDTH) and stops at the first size that does not fit; a size
@@ -135,8 +137,72 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
+ACCEL_MODES = {"plain offload": {}, "super_offload": {"super_offload": True},
+               "ratio 0.5": {"ratio": 0.5}, "ratio 0.5 + super_offload":
+               {"ratio": 0.5, "super_offload": True}}
+
+
+def accelerations(args) -> str:
+    """Plain offload beside its accelerations (offload/partial.py, offload/speculative.py):
+    one process, one engine per mode built once, the modes timed in turn for
+    ``--rounds`` rounds (so machine load hits them alike); the median seconds per optimizer
+    step (forward, backward, step) and the ratio to plain offload."""
+    import statistics
+    import torch
+    import zero_core
+    width, layers = args.accel_width, args.accel_layers
+    engines = {}
+    for name, extra in ACCEL_MODES.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+        cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
+               "bf16": {"enabled": True},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+               "zero_optimization": {"stage": 3, "sub_group_size": args.accel_sub_group,
+                                     "offload_optimizer": {"device": "cpu", **extra}}}
+        engines[name] = zero_core.initialize(model=model, config=cfg)[0]
+    times = {name: [] for name in engines}
+    load = [os.getloadavg()[0]]
+    for r in range(args.rounds + 1):   # round 0 warms up; then A B C D, D C B A, ...
+        for name, eng in (list(engines.items())[::-1] if r % 2 == 0 else engines.items()):
+            x = torch.randn(8, width, dtype=torch.bfloat16).to(eng.device)
+            t0 = time.perf_counter()
+            for _ in range(args.steps if r else 1):
+                loss = eng(x).float().square().mean()
+                eng.backward(loss)
+                eng.step()
+            eng.runtime.accelerator.synchronize()
+            if r:
+                times[name].append((time.perf_counter() - t0) / args.steps)
+        load.append(os.getloadavg()[0])
+    base = statistics.median(times["plain offload"])
+    device = next(iter(engines.values())).device
+    lines = [f"stage 3, bf16, {layers} x Linear({width}, {width}) "
+             f"({layers * (width * width + width) / 1e6:.1f} M parameters), sub_group_size "
+             f"{args.accel_sub_group}, device {device}, warm-up step, then {args.rounds} "
+             f"rounds x {args.steps} steps (mode order alternating); 1-min load average {min(load):.1f}-{max(load):.1f} on "
+             f"{os.cpu_count()} cores", "",
+             "| mode | s/step (median) | vs plain offload | speculations accepted/redone/"
+             "rolled back |", "|---|---|---|---|"]
+    for name, eng in engines.items():
+        med = statistics.median(times[name])
+        c = eng.memory_report()["offload"].get("super_offload")
+        spec = f"{c['accepted']}/{c['redone']}/{c['rolled_back']}" if c else "-"
+        lines.append(f"| {name} | {med:.4f} | {med / base:.2f}x | {spec} |")
+    for eng in engines.values():
+        eng.destroy()
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--accelerations", action="store_true",
+                    help="only: plain offload vs ratio < 1 and super_offload, one process "
+                         "(ZERO_CORE_ACCELERATOR picks the device)")
+    ap.add_argument("--accel-width", type=int, default=1024)
+    ap.add_argument("--accel-layers", type=int, default=4)
+    ap.add_argument("--accel-sub-group", type=int, default=1 << 20)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=32)
@@ -155,6 +221,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1500)
     plots.add_arguments(ap, "offload")
     args = ap.parse_args(argv)
+    if args.accelerations:
+        print(accelerations(args))
+        return 0
     meta = plots.start(args, "offload", __file__, sys.argv[1:] if argv is None else argv)
     os.makedirs(args.nvme_dir, exist_ok=True)
     free = shutil.disk_usage(args.nvme_dir).free

@@ -87,6 +87,11 @@ def scenario_config(name: str, scratch: str) -> tuple[dict, dict]:
         return config(3, "bf16", offload_optimizer=offload("nvme", scratch),
                       offload_param={**offload("nvme", scratch), "buffer_size": 2000},
                       sub_group_size=1000), opts
+    if name == "off_ponly_cpu":   # offload_param alone: the optimizer stays on the device
+        return config(3, offload_param=offload("cpu", scratch)), opts
+    if name == "off_ponly_nvme":
+        return config(3, "bf16", offload_param={**offload("nvme", scratch),
+                                                "buffer_size": 2000}), opts
     raise SystemExit(f"unknown scenario {name!r}")
 
 

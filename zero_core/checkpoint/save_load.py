@@ -327,7 +327,10 @@ def common_state(subject, client_state) -> dict:
         **{k: int(v) for k, v in subject.counters.items()},
         "optimizer": {"groups": [{k: v for k, v in g.items() if k != "params"}
                                  for g in opt.param_groups],
-                      "step_counts": [int(s) for s in getattr(opt, "step_counts", [])]},
+                      "step_counts": [int(s) for s in getattr(opt, "step_counts", [])],
+                      # an optimizer's own counters (ZenFlow's window: offload/zenflow.py)
+                      "extra": (opt.checkpoint_extra() if hasattr(opt, "checkpoint_extra")
+                                else None)},
         "lr_scheduler": (subject.lr_scheduler.state_dict()
                          if subject.lr_scheduler is not None else None),
         "loss_scaler": (subject.loss_scaler.state_dict()
@@ -449,6 +452,8 @@ def _restore_common(subject, common: dict, states: bool, scheduler: bool, tag_di
         counts = common["optimizer"]["step_counts"]
         if hasattr(opt, "step_counts") and len(counts) == len(opt.step_counts):
             opt.step_counts[:] = counts
+        if hasattr(opt, "load_checkpoint_extra"):  # after the fragments were read
+            opt.load_checkpoint_extra(common["optimizer"].get("extra"))
     if scheduler and common.get("lr_scheduler") is not None and subject.lr_scheduler is not None:
         subject.lr_scheduler.load_state_dict(common["lr_scheduler"])
     if common.get("loss_scaler") is not None and subject.loss_scaler is not None:

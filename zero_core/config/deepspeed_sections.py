@@ -54,8 +54,6 @@ LENIENT_SECTIONS: dict[str, str] = {
 # quantize_training, weight_quantization: groups nested per technique) get their switch names
 # checked for near-misses only.
 DEEPSPEED_SECTION_KEYS: dict[str, tuple[str, ...]] = {
-    "flops_profiler": ("enabled", "recompute_fwd_factor", "profile_step", "module_depth",
-                       "top_modules", "detailed", "output_file"),
     "comms_logger": ("enabled", "prof_all", "prof_ops", "verbose", "debug"),
     "nebula": ("enabled", "enable_nebula_load", "nebula_load_path", "persistent_storage_path",
                "persistent_time_interval", "num_of_version_in_retention"),

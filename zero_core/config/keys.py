@@ -38,12 +38,12 @@ bf16.bf16_optimizer_states                                        false         
                                                                                 bf16_master_weights_and_grads)
 bf16.check_grad_overflow                                          true          bool; skip a step whose gradient norm is
                                                                                 not finite (engine.skipped_steps)
-torch_autocast.enabled                                            false         bool; fp32 parameters, forward under
-                                                                                torch.autocast (not with fp16/bf16)
-torch_autocast.dtype                                              null          "bf16" | "fp16" | null (torch's default
-                                                                                for the device)
-torch_autocast.lower_precision_safe_modules                       null          class paths; accepted (gradients are
-                                                                                reduced in fp32 for every module)
+torch_autocast.enabled                                            false         bool; forward under torch.autocast; params
+                                                                                keep fp32, or bf16 with bf16.enabled (no fp16)
+torch_autocast.dtype                                              null          "bf16" | "fp16" | null (device default);
+                                                                                "bf16" (or null on CPU) with bf16.enabled
+torch_autocast.lower_precision_safe_modules                       null          class paths (exact; null: Linear, ConvNd):
+                                                                                stage 1-3 grads reduced in the autocast dtype
 communication_data_type                                           null          "fp32" | "fp16" | "bf16": the dtype
                                                                                 gradients are reduced in; null = the
                                                                                 compute dtype
@@ -86,7 +86,8 @@ checkpoint.resume (zero-core)                                     "auto"        
                                                                                 newest checkpoint of save_dir at start
 checkpoint.resume_batch (zero-core)                               "keep_global" "keep_global" | "keep_micro": the batch
                                                                                 on another world size
-optimizer.type                                                    required      Adam | AdamW | SGD | Lamb (any case)
+optimizer.type                                                    required      Adam | AdamW | SGD | Lamb | OneBitAdam |
+                                                                                ZeroOneAdam | OneBitLamb (1-bit: stage 0)
 optimizer.params.lr                                               1e-3          >= 0
 optimizer.params.betas (Adam, AdamW)                              [0.9, 0.999]  two numbers in [0, 1)
 optimizer.params.eps (Adam, AdamW)                                1e-8          > 0
@@ -94,11 +95,23 @@ optimizer.params.weight_decay                                     0.0           
 optimizer.params.adam_w_mode (Adam, AdamW)                        true          decoupled decay; DeepSpeed's default
                                                                                 for "Adam" too; false is refused for AdamW
 optimizer.params.bias_correction (Adam, AdamW)                    true          bool
-optimizer.params.max_coeff (Lamb)                                 10.0          > 0, upper clamp of the trust ratio
-optimizer.params.min_coeff (Lamb)                                 0.01          >= 0, lower clamp of the trust ratio
+optimizer.params.max_coeff (Lamb, OneBitLamb)                     10.0          > 0, upper clamp of the trust ratio
+optimizer.params.min_coeff (Lamb, OneBitLamb)                     0.01          >= 0, lower clamp of the trust ratio
 optimizer.params.momentum (SGD)                                   0.0           >= 0
 optimizer.params.dampening (SGD)                                  0.0           >= 0
 optimizer.params.nesterov (SGD)                                   false         needs momentum > 0, dampening 0
+optimizer.params.freeze_step (OneBitAdam, OneBitLamb)             100000        >= 0; uncompressed warm-up steps
+optimizer.params.var_freeze_step (ZeroOneAdam)                    100000        >= 0; last step that may update the variance
+optimizer.params.var_update_scaler (ZeroOneAdam)                  16            >= 1; full steps per doubling of their interval
+optimizer.params.local_step_scaler (ZeroOneAdam)                  32678         >= 1; local steps per doubling of their interval
+optimizer.params.local_step_clipper (ZeroOneAdam)                 16            >= 1; largest local-step interval
+optimizer.params.coeff_beta (OneBitLamb)                          0.9           in [0, 1); average of warm-up coefficients
+optimizer.params.factor_max (OneBitLamb)                          4.0           > 0; clamp of the frozen coefficient's factor
+optimizer.params.factor_min (OneBitLamb)                          0.5           >= 0, <= factor_max; its lower clamp
+optimizer.params.factor_threshold (OneBitLamb)                    0.1           >= 0; the factor's largest change per step
+optimizer.params.comm_backend_name (1-bit optimizers)             "nccl"        "nccl"|"mpi"|"hccl"|"compressed"; the engine's
+                                                                                communicator carries it (warns if another)
+optimizer.params.cuda_aware (1-bit optimizers)                    false         only false (communicators stage memory)
 scheduler.type                                                    required      WarmupLR | WarmupDecayLR | WarmupCosineLR
 scheduler.params.warmup_min_lr (WarmupLR, WarmupDecayLR)          0.0           lr at the start; number or list
 scheduler.params.warmup_max_lr (WarmupLR)                         optimizer lr  lr after warmup; number or list
@@ -158,7 +171,9 @@ zero_optimization.offload_optimizer.pin_memory                    false         
                                                                                 accelerator has pinning (no-op on the CPU)
 zero_optimization.offload_optimizer.buffer_count                  4             sub-group buffers in host memory (nvme):
                                                                                 read-ahead + compute + write-behind, >= 3
-zero_optimization.offload_optimizer.ratio                         1.0           only 1.0 (everything offloaded)
+zero_optimization.offload_optimizer.ratio                         1.0           [0, 1]; first 1-ratio of sub-groups on device
+zero_optimization.offload_optimizer.super_offload                 false         bool; host step speculated, checked at step()
+zero_optimization.offload_optimizer.cpuadam_cores_perc            0.8           (0, 1]; super_offload worker's share of cores
 zero_optimization.offload_param.device                            "none"        "none" | "cpu" | "nvme": stage-3 parameter
                                                                                 partitions in host memory / files
 zero_optimization.offload_param.nvme_path                         null          directory for the parameter files (nvme)
@@ -169,6 +184,14 @@ zero_optimization.offload_param.buffer_size                       1e8           
                                                                                 a fetch unit's partition, >= 1
 zero_optimization.offload_param.max_in_cpu                        1e9           partition elements kept in host memory
                                                                                 instead of files (nvme), >= 0
+zero_optimization.zenflow.topk_ratio                              0.1           0 < r < 1: top columns on the device
+zero_optimization.zenflow.select_strategy                         "auto"        "auto" (= "epoch", 1) | "step" | "epoch"
+zero_optimization.zenflow.select_interval                         "auto"        "auto" | steps/epochs >= 0 (0: select once)
+zero_optimization.zenflow.update_interval                         "auto"        integer >= 1 ("auto" not implemented)
+zero_optimization.zenflow.overlap_step                            false         bool; host update on a worker thread
+zero_optimization.zenflow.offload                                 false         bool; device moments in host memory
+zero_optimization.zenflow.full_warm_up_rounds                     0             steps of full host updates first, >= 0
+zero_optimization.zenflow.pt_reserved_cores_perc                  0.5           0..1; cores the worker thread keeps off
 activation_checkpointing.partition_activations                    false         bool; split saved inputs across the
                                                                                 model-parallel group (mpu in configure)
 activation_checkpointing.cpu_checkpointing                        false         bool; saved inputs in host memory (also
@@ -222,6 +245,15 @@ elasticity.ignore_non_elastic_batch_info                          false         
 elasticity.version                                                0.2           0.1 | 0.2 (0.2 plans in whole nodes)
 elasticity.num_gpus_per_node                                      1             >= 1; ranks per node (version 0.2)
 elasticity.model_parallel_size                                    1             only 1 (model parallelism is refused)
+flops_profiler.enabled                                            false         bool; rank 0 profiles one step (engine/flops.py)
+flops_profiler.profile_step                                       1             >= 0: optimizer steps done before the profiled one
+flops_profiler.recompute_fwd_factor                               0.0           >= 0; bwd FLOPs = (2 + factor) x fwd (recompute)
+flops_profiler.module_depth                                       -1            >= -1; deepest module level shown (-1: all)
+flops_profiler.top_modules                                        1             >= 1; module classes listed per depth
+flops_profiler.detailed                                           true          bool; the per-module tree
+flops_profiler.output_file                                        null          file written atomically instead of stdout
+flops_profiler.peak_tflops (zero-core)                            null          > 0: peak TFLOP/s per device for the MFU (null:
+                                                                                datasheet GPU table, else a measured matmul)
 ================================================================  ============  ==========================================
 
 Accepted without effect (``NO_EFFECT_KEYS``, any value): DeepSpeed keys that tune only speed,
@@ -270,6 +302,7 @@ __all__ = ["SUPPORTED_KEYS", "NO_EFFECT_KEYS", "NOT_YET_IMPLEMENTED", "NEUTRAL_V
 # ---------------------------------------------------------------------------------------------
 
 _ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction")
+_ONEBIT = ("lr", "betas", "eps", "weight_decay", "comm_backend_name", "cuda_aware")
 _WARMUP_PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
                   "last_batch_iteration")
 
@@ -282,7 +315,7 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
          "data_types", "torch_autocast", "checkpoint",
          "tensorboard", "csv_monitor", "wandb", "comet",
          "accelerator", "comm_backend", "comm_timeout", "topology", "safety", "generation",
-         "hybrid_engine", "elasticity"),
+         "hybrid_engine", "elasticity", "flops_profiler"),
     "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "auto_cast"),
     "bf16": ("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states",
@@ -293,6 +326,12 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
     "optimizer.params:SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
     "optimizer.params:Lamb": ("lr", "betas", "eps", "weight_decay", "bias_correction",
                               "max_coeff", "min_coeff"),
+    "optimizer.params:OneBitAdam": _ONEBIT + ("freeze_step",),
+    "optimizer.params:OneBitLamb": _ONEBIT + ("max_coeff", "min_coeff", "freeze_step",
+                                              "coeff_beta", "factor_max", "factor_min",
+                                              "factor_threshold"),
+    "optimizer.params:ZeroOneAdam": _ONEBIT + ("var_freeze_step", "var_update_scaler",
+                                               "local_step_scaler", "local_step_clipper"),
     "scheduler": ("type", "params"),
     "scheduler.params:WarmupLR": _WARMUP_PARAMS,
     "scheduler.params:WarmupDecayLR": _WARMUP_PARAMS + ("total_num_steps",),
@@ -310,11 +349,13 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
                           "zero_quantized_weights", "zero_quantized_nontrainable_weights",
                           "zero_hpz_partition_size", "zero_quantized_gradients",
                           "mics_shard_size", "mics_hierarchical_params_gather",
-                          "node_aware_collectives"),
+                          "node_aware_collectives", "zenflow"),
     "zero_optimization.offload_optimizer": ("device", "nvme_path", "pin_memory", "buffer_count",
-                                            "ratio"),
+                                            "ratio", "super_offload", "cpuadam_cores_perc"),
     "zero_optimization.offload_param": ("device", "nvme_path", "pin_memory", "buffer_count",
                                         "buffer_size", "max_in_cpu"),
+    "zero_optimization.zenflow": ("topk_ratio", "select_strategy", "select_interval", "offload",
+        "update_interval", "overlap_step", "full_warm_up_rounds", "pt_reserved_cores_perc"),
     "data_types": ("grad_accum_dtype", "param_dtype"),
     "torch_autocast": ("enabled", "dtype", "lower_precision_safe_modules"),
     "checkpoint": ("tag_validation", "save_dir", "save_interval_steps", "save_interval_minutes",
@@ -333,6 +374,8 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
                       "pin_parameters"),
     "safety": ("nonfinite_gradients", "max_consecutive_skips", "check_ranks_agree",
                "check_batch_sizes", "launcher_notice"),
+    "flops_profiler": ("enabled", "recompute_fwd_factor", "profile_step", "module_depth",
+                       "top_modules", "detailed", "output_file", "peak_tflops"),
     "activation_checkpointing": ("partition_activations", "cpu_checkpointing",
                                  "contiguous_memory_optimization", "number_checkpoints",
                                  "synchronize_checkpoint_boundary", "profile"),
@@ -360,11 +403,18 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "zero_force_ds_cpu_optimizer": "picks DeepSpeed's CPU Adam kernel for offload; zero-core "
                                    "always steps offloaded states with its own CPU kernel",
     "aio": "tunes DeepSpeed's async-I/O library; zero-core's NVMe path has its own I/O",
-    "dataloader_drop_last": "applies to DeepSpeed's training_data loader, which zero-core "
-                            "does not build (initialize refuses training_data=)",
+    "dataloader_drop_last": "DeepSpeed's training_data loader keeps a short last batch unless "
+                            "true; zero-core's (initialize(training_data=)) always leaves out "
+                            "the tail that does not fill a micro-step on every rank, so that a "
+                            "resumed run reads each sample once (docs/usage.md)",
     "seq_parallel_communication_data_type": "only used with sequence parallelism, which is "
                                             "off (sequence_parallel_size 1)",
     "timers": "throughput timer logging",
+    "vocabulary_size": "DeepSpeed only warns when it is not a multiple of 8 (tensor-core "
+                       "alignment)",
+    "datastates_ckpt": "DeepSpeed's DataStates checkpoint engine (speed only; DeepSpeed falls "
+                       "back to torch.save without it; zero-core's background saves are "
+                       "checkpoint.async_save)",
     "log_level": "DeepSpeed's own logger level",
     "disable_python_gc": "when DeepSpeed runs Python's garbage collector (speed only)",
     "legacy_fusion": "which fused kernel DeepSpeed's fp16 optimizer calls (speed only)",
@@ -378,6 +428,11 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "zero_optimization.memory_efficient_linear": "a stage-3 linear-layer implementation that "
                                                  "saves activation memory; results are equal",
     "zero_optimization.log_trace_cache_warnings": "stage-3 trace-cache logging",
+    "zero_optimization.stage3_allgather_sequential": "gathers stage-3 parameters one by one "
+                                                     "instead of in buckets (memory and speed "
+                                                     "only; the gathered values are the same)",
+    "zero_optimization.allgather_sequential": "gathers stage-3 parameters one by one instead "
+                                              "of in buckets (memory and speed only)",
     "zero_optimization.use_multi_rank_bucket_allreduce": "how DeepSpeed batches all-reduces "
                                                          "(speed only)",
     "zero_optimization.stage3_module_granularity_threshold": "how DeepSpeed groups small "
@@ -391,8 +446,6 @@ NO_EFFECT_KEYS: dict[str, str] = {
                                                          "zero-core's are always overlapped",
     "zero_optimization.offload_optimizer.pipeline_write": "DeepSpeed's overlapped NVMe writes; "
                                                           "zero-core's are always overlapped",
-    "zero_optimization.offload_optimizer.cpuadam_cores_perc": "CPU cores DeepSpeed's CPU Adam "
-                                                              "uses (speed only)",
     "checkpoint.parallel_write": "pipeline-stage parallel writes (no pipeline here)",
     "checkpoint.checkpoint_serialization": "torch.save serialization of DeepSpeed's files; "
                                            "zero-core writes safetensors",
@@ -414,7 +467,6 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
         "expert_parallel": "expert parallelism (AutoEP)",
         "sequence_parallel_size": "sequence parallelism",
         "autotuning": "the autotuner",
-        "flops_profiler": "the FLOPs profiler",
         "comms_logger": "the communication logger (zero-core's ledger records every collective)",
         "compression_training": "compression training",
         "data_efficiency": "data efficiency (curriculum learning, data routing)",
@@ -451,6 +503,11 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
                                                "gradient_clipping)",
                               "eps_inside_sqrt": "eps inside the square root",
                               "amsgrad": "AMSGrad"},
+    **{f"optimizer.params:{k}": {"amsgrad": "AMSGrad (DeepSpeed refuses it here too)",
+                                 "max_grad_norm": "the optimizer's own clipping (use "
+                                                  "gradient_clipping)",
+                                 "eps_inside_sqrt": "eps inside the square root"}
+       for k in ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")},
     "zero_optimization": {
         "stage3_model_persistence_threshold": "ZeRO stage 3 whole-model persistence limit",
         "model_persistence_threshold": "ZeRO stage 3 whole-model persistence limit",
@@ -471,11 +528,10 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
         "compute_grad_norm": "switching off the gradient norm",
         "parameter_alignment": "16-byte parameter alignment",
         "save_muon_momentum_buffer_in_memory": "the Muon optimizer",
-        "zenflow": "ZenFlow (asynchronous offloaded updates)",
         "leaf_module": "stage-3 leaf modules (fetching a module's whole subtree at once)",
     },
-    "zero_optimization.offload_optimizer": {
-        "super_offload": "SuperOffload (GH200 superchip offload)",
+    "zero_optimization.zenflow": {
+        "auto_ratio": "ZenFlow's adaptive update interval (update_interval \"auto\")",
     },
     "hybrid_engine": {
         "enable_cuda_graph": "CUDA graphs for generation",
@@ -518,24 +574,22 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "zero_optimization.use_all_reduce_for_fetch_params": False,
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": False,
     "zero_optimization.zeropp_loco_param": None,
-    "zero_optimization.zenflow": None,
-    "zero_optimization.offload_optimizer.super_offload": False,
     "hybrid_engine.enable_cuda_graph": False,
+    "zero_optimization.zenflow.auto_ratio": 0.99,
 }
 # Whole sections that ask for nothing when every switch in them is off: "enabled": false
 # anywhere inside, "deepcompile": false, sizes of 1 ("autotp_size": 1, "tp_size": 1); DeepSpeed
 # defaults each of these switches to off, so a section with none of them asks for nothing.
 _SWITCHABLE_SECTIONS = frozenset({
-    "flops_profiler",
     "comms_logger", "autotuning", "expert_parallel", "amp",
     "eigenvalue", "progressive_layer_drop", "curriculum_learning", "nebula", "compile",
     "tensor_parallel", "compression_training", "data_efficiency", "quantize_training",
     "weight_quantization",
 })
 
-OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD", "Lamb")
+OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-_OPTIMIZERS_NOT_YET = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Muon", "Adagrad",
+_OPTIMIZERS_NOT_YET = ("Muon", "Adagrad",
                        "Lion", "FusedAdam", "CPUAdam", "Adafactor", "RMSprop", "MuAdam",
                        "MuAdamW", "MuSGD")
 _SCHEDULERS_NOT_YET = ("LRRangeTest", "OneCycle")

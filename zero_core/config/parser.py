@@ -28,8 +28,11 @@ from zero_core.config.keys import (_OPTIMIZERS_NOT_YET, _SCHEDULERS_NOT_YET, MAX
                                    OPTIMIZER_TYPES, SCHEDULER_TYPES)
 from zero_core.config.elasticity import elastic_batch
 from zero_core.config.monitors import parse_monitors
+from zero_core.config.onebit_sections import ONEBIT_TYPES, drop_onebit_unused, parse_onebit
 from zero_core.config.precision_sections import parse_precision
 from zero_core.config.zero_sections import parse_many_nodes, parse_zeropp
+from zero_core.config.zenflow_section import parse_zenflow
+from zero_core.config.flops_section import parse_flops_profiler
 from zero_core.config.schema import (NONFINITE_ACTIONS, ActivationCheckpointingConfig,
                                      BF16Config, CheckpointConfig, Config, GenerationConfig,
                                      HybridEngineConfig, OffloadOptimizerConfig,
@@ -74,7 +77,10 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig | None:
                           f"{', '.join(OPTIMIZER_TYPES)}")
     kind = s.get("type", None, _canonical_type, OPTIMIZER_TYPES, _OPTIMIZERS_NOT_YET, "optimizer",
                  True)
-    p = _Section(s.raw.get("params"), "optimizer.params", f"optimizer.params:{kind}")
+    raw_params = s.raw.get("params")
+    if kind in ONEBIT_TYPES:
+        raw_params = drop_onebit_unused(raw_params, kind)
+    p = _Section(raw_params, "optimizer.params", f"optimizer.params:{kind}")
     lr = p.get("lr", 1e-3, _as_float, lo=0.0)
     weight_decay = p.get("weight_decay", 0.0, _as_float, lo=0.0)
     if kind == "SGD":
@@ -100,6 +106,8 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig | None:
             eps=p.get("eps", 1e-8, _as_float, lo=0.0, lo_open=True),
             bias_correction=p.get("bias_correction", True, _as_bool),
             max_coeff=max_coeff, min_coeff=min_coeff)
+    if kind in ONEBIT_TYPES:
+        return parse_onebit(kind, p, lr, weight_decay, _parse_betas)
     # Adam / AdamW. DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
     adam_w_mode = p.get("adam_w_mode", True, _as_bool)
     if kind == "AdamW" and not adam_w_mode:
@@ -209,15 +217,22 @@ def _parse_offload(s: "_Section", stage: int) -> dict:
         raise _fail("zero_optimization.offload_optimizer.device", device,
                     "offloading the optimizer needs ZeRO stage 1, 2 or 3 (it offloads the "
                     "partitioned optimizer states); set zero_optimization.stage >= 1")
-    ratio = sub.get("ratio", 1.0, _as_float, 0.0, 1.0)
-    if ratio != 1.0:
-        raise _fail("zero_optimization.offload_optimizer.ratio", ratio,
-                    "partial offload is not implemented; only 1.0 (all optimizer states "
-                    "offloaded) is accepted")
+    # ratio < 1: offload/partial.py; super_offload: offload/speculative.py (device cpu both)
+    ratio, superoff = (sub.get("ratio", 1.0, _as_float, 0.0, 1.0),
+                       sub.get("super_offload", False, _as_bool))
+    cores = sub.get("cpuadam_cores_perc", 0.8, _as_float, 0.0, 1.0)
+    cpu_only = f"implemented for offload_optimizer.device 'cpu' only (got {device!r}): set it to 'cpu'"
+    for key, bad, why in (
+            ("ratio", ratio != 1.0 and device == "nvme", cpu_only),
+            ("super_offload", superoff and device != "cpu", cpu_only),
+            ("cpuadam_cores_perc", superoff and cores == 0.0,
+             "super_offload's worker thread needs a share of the cores in (0, 1]")):
+        if bad:
+            raise _fail(f"zero_optimization.offload_optimizer.{key}", sub.raw[key], why)
     opt = OffloadOptimizerConfig(
         device=device, nvme_path=path, pin_memory=sub.get("pin_memory", False, _as_bool),
         buffer_count=sub.get("buffer_count", 4, _as_int, 3),
-        ratio=ratio)
+        ratio=ratio, super_offload=superoff, cpuadam_cores_perc=cores)
     sub, device, path = _parse_offload_section(s, "offload_param", stage)
     if device != "none" and stage != 3:
         # DeepSpeed reads offload_param only at stage 3 and ignores it below: so do we, aloud
@@ -278,6 +293,7 @@ def _parse_zero(raw: Any, world_size: int = 1) -> ZeroConfig:
         **zeropp,
         **many_nodes,
         **offload,
+        zenflow=parse_zenflow(s, stage, offload["offload_optimizer"]),
     )
 
 
@@ -538,6 +554,7 @@ def parse_config(config: Any = None, world_size: int = 1) -> Config:
                              "bf16" if dtypes["bf16"].enabled else "fp32", dtypes["bf16"]),
         generation=_parse_generation(top.raw.get("generation")),
         hybrid_engine=_parse_hybrid_engine(top.raw.get("hybrid_engine")),
+        flops_profiler=parse_flops_profiler(top.raw.get("flops_profiler")),
         world_size=world_size,
         **dtypes,
     )

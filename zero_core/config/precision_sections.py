@@ -97,11 +97,18 @@ def parse_precision(top: _Section, world_size: int) -> dict:
                                                  "(bf16 needs no loss scaling)")
     precision = "fp16" if fp16.enabled else "bf16" if bf16.enabled else "fp32"
     autocast = _parse_autocast(top.raw.get("torch_autocast"))
-    if autocast.enabled and precision != "fp32":
+    if autocast.enabled and precision == "fp16":
+        # DeepSpeed runs this pair with a torch GradScaler beside its own loss scaler at
+        # ZeRO stages 1-3; zero-core has no such double scaling
         raise _fail("torch_autocast.enabled", True,
-                    f"torch autocast keeps the parameters in fp32 and casts per operation; it "
-                    f"cannot be combined with {precision}.enabled (which casts the model). Keep "
-                    f"one of the two")
+                    "with fp16.enabled is not supported (DeepSpeed would scale the loss with a "
+                    "torch GradScaler beside fp16's loss scaler). Use bf16.enabled with "
+                    "torch_autocast.dtype \"bf16\", torch_autocast alone, or fp16 alone")
+    if autocast.enabled and precision == "bf16" and autocast.dtype not in (None, "bf16"):
+        raise _fail("torch_autocast.dtype", autocast.dtype,
+                    f"with {bf16_key}.enabled the parameters are bf16; autocasting them to "
+                    f"{autocast.dtype} per operation is not a DeepSpeed mode that trains "
+                    f"(it would need a GradScaler). Set torch_autocast.dtype to \"bf16\"")
     if fp16.auto_cast and not fp16.enabled:
         raise _fail("fp16.auto_cast", True, "casts inputs to fp16 for fp16 training; set "
                                             "fp16.enabled true or remove auto_cast")

@@ -63,10 +63,12 @@ class BF16Config:
 
 @dataclass(frozen=True)
 class TorchAutocastConfig:
-    """DeepSpeed's ``torch_autocast`` section: parameters stay fp32 and the forward runs
-    under ``torch.autocast(dtype)``; ``dtype`` None is torch's default for the device.
-    ``lower_precision_safe_modules`` are class paths whose parameters' gradients may be
-    communicated in the autocast dtype (None: DeepSpeed's list, Linear and ConvNd)."""
+    """DeepSpeed's ``torch_autocast`` section: the forward runs under
+    ``torch.autocast(dtype)`` (``dtype`` None: torch's default for the device); parameters
+    keep the training mode's dtype (fp32, or bf16 with ``bf16.enabled``).
+    ``lower_precision_safe_modules`` are class paths whose parameters' gradients are reduced
+    in the autocast dtype at ZeRO stages 1-3 (None: DeepSpeed's list, Linear and ConvNd);
+    engine/autocast.py applies both."""
 
     enabled: bool = False
     dtype: str | None = None  # "bf16" | "fp16" | "fp32" | None
@@ -118,6 +120,19 @@ class OptimizerConfig:
     # Lamb: the trust ratio ||w|| / ||update|| is clamped to [min_coeff, max_coeff]
     max_coeff: float = 10.0
     min_coeff: float = 0.01
+    # OneBitAdam (optim/onebit.py): uncompressed warm-up steps before 1-bit communication
+    freeze_step: int = 100000
+    comm_backend_name: str | None = None   # 1-bit optimizers; None: not given (DeepSpeed: "nccl")
+    # ZeroOneAdam (optim/onebit.py): the variance and local-step schedule
+    var_freeze_step: int = 100000
+    var_update_scaler: int = 16
+    local_step_scaler: int = 32678
+    local_step_clipper: int = 16
+    # OneBitLamb (optim/onebit.py): the frozen coefficient's average and its scaling factor
+    coeff_beta: float = 0.9
+    factor_max: float = 4.0
+    factor_min: float = 0.5
+    factor_threshold: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -142,7 +157,9 @@ class OffloadOptimizerConfig:
     nvme_path: str | None = None
     pin_memory: bool = False
     buffer_count: int = 4
-    ratio: float = 1.0
+    ratio: float = 1.0                 # < 1: partial offload (offload/partial.py)
+    super_offload: bool = False        # speculative host steps (offload/speculative.py)
+    cpuadam_cores_perc: float = 0.8    # the speculative worker's share of the cores
 
     @property
     def enabled(self) -> bool:
@@ -165,6 +182,21 @@ class OffloadParamConfig:
     @property
     def enabled(self) -> bool:
         return self.device != "none"
+
+
+@dataclass(frozen=True)
+class ZenFlowConfig:
+    """``zero_optimization.zenflow`` (DeepSpeed's keys and defaults; zero_core/offload/zenflow.py
+    says what each does, config/zenflow_section.py what is refused)."""
+
+    topk_ratio: float = 0.1
+    select_strategy: str = "auto"
+    select_interval: int | str = "auto"
+    update_interval: int | str = "auto"
+    overlap_step: bool = False
+    offload: bool = False
+    full_warm_up_rounds: int = 0
+    pt_reserved_cores_perc: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -195,6 +227,7 @@ class ZeroConfig:
     sub_group_size: int = 1_000_000_000
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    zenflow: ZenFlowConfig | None = None  # None: off (zero_core/offload/zenflow.py)
 
     @property
     def zeropp_enabled(self) -> bool:
@@ -262,6 +295,21 @@ class HybridEngineConfig:
 
 
 @dataclass(frozen=True)
+class FlopsProfilerConfig:
+    """DeepSpeed's ``flops_profiler`` section (engine/flops.py), plus zero-core's own
+    ``peak_tflops`` (the peak the MFU is stated against; None: datasheet or measured)."""
+
+    enabled: bool = False
+    recompute_fwd_factor: float = 0.0
+    profile_step: int = 1
+    module_depth: int = -1
+    top_modules: int = 1
+    detailed: bool = True
+    output_file: str | None = None
+    peak_tflops: float | None = None
+
+
+@dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     """DeepSpeed's ``activation_checkpointing`` section (ZeRO-R), used by
     :func:`zero_core.checkpointing.configure`. ``number_checkpoints`` is how many
@@ -308,6 +356,7 @@ class Config:
     safety: SafetyConfig = field(default_factory=SafetyConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     world_size: int = 1  # the data-parallel world size the batch sizes were resolved for
 
     @property
@@ -366,6 +415,7 @@ class Config:
             "safety": dataclasses.asdict(self.safety),
             "generation": dataclasses.asdict(self.generation),
             "hybrid_engine": dataclasses.asdict(self.hybrid_engine),
+            "flops_profiler": dataclasses.asdict(self.flops_profiler),
             **{name: dataclasses.asdict(getattr(self.monitor, name))
                for name in ("tensorboard", "csv_monitor", "wandb", "comet")},
         }

@@ -24,7 +24,6 @@ first gives the same mean up to one rounding and spares a pass (ARCHITECTURE §4
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 
@@ -32,8 +31,10 @@ import torch
 
 from zero_core.checkpoint.schedule import Checkpointing
 from zero_core.config import Config
-from zero_core.config.precision import dtype_name, torch_dtype
+from zero_core.config.precision import dtype_name
+from zero_core.engine.autocast import autocast_context, mark_comm_dtypes
 from zero_core.engine.contract import StageParts
+from zero_core.engine.optimizer_choice import build_optimizer
 from zero_core.engine.step_stats import leading_dim
 from zero_core.engine.timers import WallClock
 from zero_core.engine.update import UpdateStep
@@ -44,10 +45,9 @@ from zero_core.optim.loss_scaler import build_loss_scaler
 from zero_core.optim.nonfinite import NonFiniteGuard
 from zero_core.memory import MemoryLedger, model_state_breakdown, optimizer_k
 from zero_core.monitor.master import MonitorMaster, build_monitor
-from zero_core.optim.rules import (collect_param_groups, require_offloadable,
-                                   resolve_user_optimizer, rule_from_config,
-                                   rule_from_torch_optimizer)
-from zero_core.optim.partitioned import PartitionedOptimizer
+from zero_core.optim.rules import (collect_param_groups, resolve_user_optimizer,
+                                   rule_from_config, rule_from_torch_optimizer)
+from zero_core.optim.onebit import gate_reduction
 from zero_core.runtime.context import Runtime
 from zero_core.runtime.partition_comm import build_sharding
 
@@ -125,6 +125,7 @@ class ZeroEngine(torch.nn.Module):
             compute_dtype=self.compute_dtype, master_dtype=self.master_dtype,
             state_dtype=self.state_dtype, memory_ledger=self.memory_ledger,
             inference_only=self.inference_only)
+        mark_comm_dtypes(model, config, self.device)  # lower_precision_safe_modules
         self.parts = parts(self.build_context)
         self.parts.prepare_model(model)
         self.parts.build(model, groups)
@@ -142,23 +143,16 @@ class ZeroEngine(torch.nn.Module):
     def _build_training_parts(self, optimizer, groups, lr_scheduler) -> None:
         """The optimizer over the partitions, the gradient reducer, loss scaler, non-finite
         guard and LR scheduler (an inference engine has none of them)."""
-        config, runtime = self.config, self.runtime
+        config = self.config
         rule = (rule_from_torch_optimizer(optimizer, self.stage) if optimizer is not None
                 else rule_from_config(config.optimizer))
         hyper_groups = optimizer.param_groups if optimizer is not None else groups
-        if config.zero_optimization.offload_optimizer.enabled:
-            # master weights and optimizer states in host memory or files (zero_core/offload)
-            from zero_core.offload.optimizer import build_offloaded_optimizer
-            require_offloadable(rule)
-            self.optimizer = build_offloaded_optimizer(
-                self.build_context, hyper_groups, rule, self.parts.buffers, self.zero_grad,
-                param_store=self.parts.param_store)
-        else:
-            self.optimizer = PartitionedOptimizer(
-                hyper_groups, rule, self.parts.buffers, runtime.kernels, self.sharding.comm,
-                self.memory_ledger, self.zero_grad, state_dtype=self.state_dtype)
+        self.optimizer = build_optimizer(  # plain, offloaded, ZenFlow, 1-bit, ...
+            self.build_context, hyper_groups, rule, self.parts, self.zero_grad,
+            self.sharding.comm, self.state_dtype)
         self._rule = rule
-        self.reducer = self.parts.build_reducer(self.is_gradient_accumulation_boundary)
+        self.reducer = self.parts.build_reducer(
+            gate_reduction(self.optimizer, self.is_gradient_accumulation_boundary))
         self.reducer.register_hooks()
         self.loss_scaler = (build_loss_scaler(config.fp16).to(self.device)
                             if config.fp16.enabled else None)
@@ -199,11 +193,7 @@ class ZeroEngine(torch.nn.Module):
                 return self.module(*args, **kwargs)
 
     def _autocast(self):
-        ac = self.config.torch_autocast
-        if not ac.enabled:
-            return contextlib.nullcontext()
-        dtype = torch_dtype(ac.dtype) or torch.get_autocast_dtype(self.device.type)
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
+        return autocast_context(self.config, self.device)  # torch_autocast: engine/autocast.py
 
     def _to_device(self, x):
         if isinstance(x, torch.Tensor):
@@ -254,6 +244,8 @@ class ZeroEngine(torch.nn.Module):
                     self._merge_reduced(stash, add=done)
         if self.stage in (0, 1) and self.is_gradient_accumulation_boundary():
             self._reduced_at = self.micro_steps
+        if self.is_gradient_accumulation_boundary():
+            self.optimizer.speculate(self.reducer, self._postscale, self.loss_scaler)
         self._backward_since_update = True
         return loss
 
@@ -524,6 +516,8 @@ class ZeroEngine(torch.nn.Module):
         if tag is not None:  # the default tag comes from global_steps, equal on every rank
             tag = validate_tag(self.comm, str(tag), self.config.checkpoint.tag_validation)
         in_background = self.config.checkpoint.async_save if async_save is None else async_save
+        if self.optimizer is not None:
+            self.optimizer.before_checkpoint_save()  # a collective (optim/onebit.py)
         final = save_checkpoint(self.checkpoint_subject(), save_dir, tag, client_state,
                                 save_latest, self._saves.background if in_background else None)
         self._saves.saved(committed=not in_background)

@@ -1,5 +1,7 @@
 """What the engine prints while it trains, as DeepSpeed 0.19.8 prints it: the
 ``wall_clock_breakdown`` timers and the ``steps_per_print`` progress line (rank 0 only).
+The phases are also where ``flops_profiler`` (engine/flops.py) times its one step: at that
+step only, ``wall_clock(name)`` returns the profiler's phase around the timer's own.
 
 **Progress** (``steps_per_print``, default 10; ``inf``: never). Every that many optimizer
 steps, DeepSpeed's line ``[Rank 0] step=20, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]``
@@ -43,6 +45,8 @@ import contextlib
 import time
 
 import torch
+
+from zero_core.engine.flops import build_profiler
 
 #: DeepSpeed's global timer names, in its print order
 PHASES = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
@@ -93,6 +97,8 @@ class WallClock:
         #: the last optimizer step: ms per timer (and "iteration"), bytes sent per phase
         self.last: dict[str, float] = {}
         self.last_comm: dict[str, dict[str, int]] = {}
+        #: flops_profiler on rank 0 (engine/flops.py): it times the phases of its one step
+        self.flops = build_profiler(engine)
 
     @staticmethod
     def _zeros() -> dict:
@@ -101,9 +107,10 @@ class WallClock:
                 "iteration": 0.0}
 
     def __call__(self, name: str):
-        if not self.enabled or name in self._running:
-            return OFF
-        return _Phase(self, name)
+        phase = OFF if not self.enabled or name in self._running else _Phase(self, name)
+        if self.flops is not None and self.flops.due():
+            return self.flops.phase(name, phase)
+        return phase
 
     # ---- phases --------------------------------------------------------------------------
     def _ledger_now(self) -> tuple[int, int]:

@@ -198,7 +198,8 @@ class UpdateStep:
         check = e.config.safety.check_batch_sizes and e.world_size > 1
         stats = all_reduce_step_stats(
             e.comm, local, e._window_samples, e.world_size,
-            reduce_norm=e.stage > 0 and e.world_size > 1, check_batches=check)
+            reduce_norm=(e.stage > 0 or e.optimizer.local_gradients) and e.world_size > 1,
+            check_batches=check)
         scaler = e.loss_scaler
         d = decide(stats, world_size=e.world_size, check_batches=check, skip_nonfinite=scaler is not None
                    or e._nonfinite.action != "ignore",

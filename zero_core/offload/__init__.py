@@ -14,7 +14,17 @@ Where things are:
 - nvme.py — :class:`NvmeStateStore`: the same states in swap files, streamed through
   ``buffer_count`` sub-group buffers with read-ahead and write-behind worker threads;
 - optimizer.py — :class:`OffloadedOptimizer`: the sub-grouped step on the CPU kernels,
-  gradients streamed to the host and parameters streamed back;
+  gradients streamed to the host and parameters streamed back; its builder picks the
+  variants below;
+- partial.py — ``offload_optimizer.ratio`` < 1 (ZeRO-Offload++): the first ``1 - ratio``
+  of the sub-groups keep their states on the device and step there;
+- speculative.py — ``offload_optimizer.super_offload`` (SuperOffload): host steps
+  speculated when the boundary backward ends, validated (kept, redone or rolled back) in
+  ``step()``;
+- zenflow.py — :class:`ZenFlowOptimizer` (``zero_optimization.zenflow``, stages 1-2): the
+  top-k gradient columns stepped on the device every step, the rest accumulated and
+  stepped on the host every ``update_interval`` steps (optionally on a worker thread);
+  built by ``build_zenflow`` (engine/optimizer_choice.py decides which optimizer);
 - params.py — ``offload_param`` for stage 3: parameter partitions in host memory or in
   files, fetched per fetch unit (with read-ahead along the recorded order) in the
   stage-3 gather path.

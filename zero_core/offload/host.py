@@ -18,6 +18,9 @@ from zero_core.partitioning.flat_buffer import FlatBuffer
 from zero_core.partitioning.layout import GroupLayout
 from zero_core.offload.subgroups import SubGroup
 
+#: the state name of the fp32 master weights in every store
+MASTER = "master"
+
 
 class HostStateStore:
     """Flat fp32 buffers of *names* for every group of *layouts* (None: no group)."""

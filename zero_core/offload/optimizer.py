@@ -22,6 +22,10 @@ One step, for every sub-group ``s`` of this rank's partition (subgroups.py), in 
 Every update is element-wise and every piece starts on an alignment boundary, so the
 offloaded step is bit-identical to the on-device step with the same kernels (tested).
 
+Variants (composed at the end of this file from mixins, so that their modules need not
+import this one): ``ratio`` < 1 steps the first sub-groups on the device (partial.py);
+``super_offload`` speculates the host step before the verdict (speculative.py).
+
 Checkpoints: ``flat_state`` and each group's ``master`` are the store's flat buffers (host
 tensors, or memory-mapped swap files), so ``engine_state.bucket_fragments`` /
 ``unit_fragments`` save and load offloaded training unchanged.
@@ -37,11 +41,11 @@ from zero_core.partitioning.buffer_pool import BufferPool
 from zero_core.errors import ConfigError, ZeroCoreError
 from zero_core.optim.partitioned import PartitionedOptimizer
 from zero_core.offload.cleanup import rank_directory
-from zero_core.offload.host import HostStateStore
+from zero_core.offload.host import MASTER, HostStateStore
 from zero_core.offload.nvme import MasterWriteThrough, NvmeStateStore
+from zero_core.offload.partial import PartialOffload
+from zero_core.offload.speculative import Speculation, build_speculative
 from zero_core.offload.subgroups import plan_subgroups
-
-MASTER = "master"
 
 
 #: the ledger's name for this optimizer's host<->device copies (CommLedger.record_copy)
@@ -89,7 +93,7 @@ class OffloadedOptimizer(PartitionedOptimizer):
                                         offload.buffer_count, accelerator, offload.pin_memory)
         self._initialize_master()
         self.flat_state = [{} if gb is None else
-                           {n: self.store.flat(j, n) for n in self.state_names}
+                           {n: self._published(self.store.flat(j, n)) for n in self.state_names}
                            for j, gb in enumerate(buffers)]
         present = [gb for gb in buffers if gb is not None]
         self._send = None
@@ -133,15 +137,24 @@ class OffloadedOptimizer(PartitionedOptimizer):
                 else:
                     fill(self.store.acquire(sg)[MASTER])
                     self.store.release(sg)
-            master = self.store.flat(j, MASTER)
+            master = self._published(self.store.flat(j, MASTER))
             # stage 3: GatheredParameters write-backs of unit k must reach the offloaded master
             if isinstance(self.store, HostStateStore):
-                unit_master = master.bucket
+                unit_master = self._unit_master(j, master)
             else:
                 def unit_master(k, j=j, lay=gb.layout):
                     return MasterWriteThrough(self.store, j, lay.partition_start(k),
                                               lay.shard_size(k), self.subgroups)
             gb.replace_master(master, unit_master)
+
+    def _published(self, flat):
+        """What the group buffers and checkpoints are given for a store buffer: the buffer
+        itself (partial offload, partial.py, wraps it to keep it in step with the device)."""
+        return flat
+
+    def _unit_master(self, j: int, master):
+        """Where stage-3 write-backs of unit k go: ``unit_master(k)`` (host store)."""
+        return master.bucket
 
     @property
     def skips_on_device(self) -> bool:
@@ -164,38 +177,48 @@ class OffloadedOptimizer(PartitionedOptimizer):
         inflight: deque = deque()   # all-gathers launched (stages 1-2)
         sends: dict = {}            # (group, bucket) -> send buffer being filled
         for sg in self.subgroups:
-            gb = self.buffers[sg.group]
-            states = store.acquire(sg)
-            grad = store.grad_buffer(sg.numel)
-            for p in sg.pieces:
-                src = gb.reduced_grad_bucket(p.bucket).narrow(0, p.shard_offset, p.numel)
-                dst = grad.narrow(0, p.sub_offset, p.numel)
-                dst.copy_(src)
-                self.comm.ledger.record_copy(TRANSFER, dst, src)
-            if self.grad_factor != 1.0:
-                grad.mul_(self.grad_factor)
-            self._kernel_subgroup(sg.group, states, grad)
-            self._write_parameters(gb, sg, states[MASTER], sends, inflight)
-            store.release(sg)
+            self._step_subgroup(sg, sends, inflight)
         self._drain(inflight)
         if self.param_sink is not None:
             self.param_sink.flush()
         store.finish()
 
-    def _kernel_subgroup(self, j: int, states: dict, grad: torch.Tensor) -> None:
+    def _step_subgroup(self, sg, sends: dict, inflight) -> None:
+        """One sub-group's host step (module docstring, steps 1-5)."""
+        gb = self.buffers[sg.group]
+        states = self.store.acquire(sg)
+        grad = self.store.grad_buffer(sg.numel)
+        self._gather_grad(gb, sg, grad)
+        self._kernel_subgroup(sg.group, states, grad)
+        self._write_parameters(gb, sg, states[MASTER], sends, inflight)
+        self.store.release(sg)
+
+    def _gather_grad(self, gb, sg, grad: torch.Tensor) -> None:
+        """*sg*'s reduced gradient into the fp32 *grad*, multiplied by ``grad_factor``."""
+        for p in sg.pieces:
+            src = gb.reduced_grad_bucket(p.bucket).narrow(0, p.shard_offset, p.numel)
+            dst = grad.narrow(0, p.sub_offset, p.numel)
+            dst.copy_(src)
+            self.comm.ledger.record_copy(TRANSFER, dst, src)
+        if self.grad_factor != 1.0:
+            grad.mul_(self.grad_factor)
+
+    def _kernel_subgroup(self, j: int, states: dict, grad: torch.Tensor,
+                         kernels=None, step: int | None = None) -> None:
         hp = self.param_groups[j]
-        t = self.step_counts[j]
+        t = self.step_counts[j] if step is None else step
         master = states[MASTER]
+        kernels = kernels or self.kernels
         if self.rule.kind == "adam":
             beta1, beta2 = hp["betas"]
-            self.kernels.adam_step(
+            kernels.adam_step(
                 master, grad, states["exp_avg"], states["exp_avg_sq"], lr=float(hp["lr"]),
                 beta1=float(beta1), beta2=float(beta2), eps=float(hp["eps"]),
                 weight_decay=float(hp["weight_decay"]), step=t, adamw=self.rule.adamw,
                 bias_correction=bool(hp.get("bias_correction", self.rule.bias_correction)))
         else:
             momentum = float(hp.get("momentum", 0.0))
-            self.kernels.sgd_step(
+            kernels.sgd_step(
                 master, grad, states.get("momentum_buffer") if momentum else None,
                 lr=float(hp["lr"]), momentum=momentum,
                 dampening=float(hp.get("dampening", 0.0)),
@@ -243,6 +266,16 @@ class OffloadedOptimizer(PartitionedOptimizer):
         self.store.close()
 
 
+class PartialOffloadOptimizer(PartialOffload, OffloadedOptimizer):
+    """``offload_optimizer.ratio`` < 1: the first ``1 - ratio`` of the sub-groups stepped on
+    the device (partial.py)."""
+
+
+class SpeculativeOffloadOptimizer(Speculation, PartialOffloadOptimizer):
+    """``offload_optimizer.super_offload``: host steps speculated at the end of the boundary
+    backward, validated in ``step()`` (speculative.py); combines with ``ratio``."""
+
+
 def build_offloaded_optimizer(ctx, hyper_groups, rule, buffers, zero_grad,
                               param_store=None) -> OffloadedOptimizer:
     """The engine's optimizer when ``offload_optimizer.device`` is cpu or nvme (*ctx*: the
@@ -252,7 +285,12 @@ def build_offloaded_optimizer(ctx, hyper_groups, rule, buffers, zero_grad,
         raise ConfigError(f"zero_optimization.offload_optimizer needs stage 1, 2 or 3 "
                           f"(got {ctx.stage})")
     zc = ctx.config.zero_optimization
-    return OffloadedOptimizer(
-        hyper_groups, rule, buffers, ctx.comm, ctx.memory_ledger,
-        zero_grad, zc.offload_optimizer, zc.sub_group_size, ctx.accelerator, ctx.rank,
-        param_sink=param_store)
+    off = zc.offload_optimizer
+    args = (hyper_groups, rule, buffers, ctx.comm, ctx.memory_ledger, zero_grad, off,
+            zc.sub_group_size, ctx.accelerator, ctx.rank)
+    if getattr(off, "super_offload", False):   # speculative host steps (speculative.py)
+        return build_speculative(ctx, SpeculativeOffloadOptimizer, args, param_store)
+    if off.ratio < 1.0:   # ZeRO-Offload++: part of the states on the device (partial.py)
+        return PartialOffloadOptimizer(*args, param_sink=param_store, ratio=off.ratio,
+                                       device=ctx.device, device_kernels=ctx.kernels)
+    return OffloadedOptimizer(*args, param_sink=param_store)

@@ -20,11 +20,16 @@ compute dtype and all-gathers a unit around each use. With parameter offload:
 when that collective finished (the staging buffer is free again), and ``write_unit(u,
 values)`` when GatheredParameters modified the unit. The stage-3 group buffers
 (``OffloadedStage3GroupBuffers``, stage3/buffers.py) get each group's storage from
-``place_group`` and store the first values with ``write_initial``. The offloaded
-optimizer calls ``write_piece`` with updated fp32 values and ``flush`` at the end of the
-step. Parameter offload needs the optimizer offloaded too (the master weights must not be
-the parameter partitions), and is not combined with ZeRO++ (which gathers from ``u.part``
-itself).
+``place_group`` and store the first values with ``write_initial``. The optimizer calls
+``write_piece`` with updated values and ``flush`` at the end of the step: the offloaded
+optimizer (``offload_optimizer`` too: master and states on the host or NVMe) from host
+memory, or, with ``offload_param`` alone, :class:`DeviceStepOptimizer` from the device —
+the master weights and optimizer states stay where they would be without offload (the
+device), are stepped by the engine's own kernels, and each unit's new values are copied
+into the store after its update, as DeepSpeed's stage 3 copies each sub-group's fp32
+partition into its offloaded low-precision one (or swaps it out). Either way training is
+bit-identical to stage 3 without offload. Parameter offload is not combined with ZeRO++
+(which gathers from ``u.part`` itself).
 
 Which way the imports go: this module imports nothing of ``zero_core.stage3``; stage 3's
 parts (stage3/parts.py) import it, build the store from the engine's ``BuildContext`` and
@@ -40,6 +45,7 @@ optimizer states; the CRCs and host copies are refreshed before the next fetch.
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,7 +55,9 @@ import torch
 from zero_core.errors import ConfigError
 from zero_core.interfaces.engine_parts import ParamStoreProtocol
 from zero_core.partitioning.flat_buffer import FlatBuffer
+from zero_core.optim.partitioned import PartitionedOptimizer
 from zero_core.offload.cleanup import rank_directory, unique_prefix
+from zero_core.offload.errors import io_failure
 from zero_core.offload.swap_file import SwapFile, aligned_empty, io_totals, waiting
 
 KEY = "zero_optimization.offload_param"
@@ -297,7 +305,9 @@ class ParamOffload(ParamStoreProtocol):
         partition in group *gb* (stored in the compute dtype, rounding as a copy does)."""
         u = gb.units[k]
         if not self.nvme:
-            u.part.narrow(0, offset, values.numel()).copy_(values)
+            dst = u.part.narrow(0, offset, values.numel())
+            dst.copy_(values)
+            self._count_down(dst, values)
             return
         if not self._stepping:
             self._stepping = True
@@ -305,7 +315,9 @@ class ParamOffload(ParamStoreProtocol):
         buf = self._assembling.get(id(u))
         if buf is None:
             buf = self._assembling[id(u)] = self._take_buffer()
-        buf.narrow(0, offset, values.numel()).copy_(values)
+        dst = buf.narrow(0, offset, values.numel())
+        dst.copy_(values)
+        self._count_down(dst, values)
         size = gb.layout.shard_size(k)
         if offset + values.numel() == size:
             del self._assembling[id(u)]
@@ -314,6 +326,11 @@ class ParamOffload(ParamStoreProtocol):
             if cached is not None:
                 cached.copy_(part)
             self._writes[id(u)] = self._io.submit(self._write_task, u, buf)
+
+    def _count_down(self, dst: torch.Tensor, values: torch.Tensor) -> None:
+        """Count a device->host write-back (the optimizer on the device) in the ledger."""
+        if self.ledger is not None:
+            self.ledger.record_copy(TRANSFER, dst, values)
 
     def _write_task(self, u, buf) -> None:
         gid, k = self._group_of[id(u)]
@@ -387,6 +404,111 @@ class ParamOffload(ParamStoreProtocol):
             f.close()
 
 
+class _DeviceStepView:
+    """A store-backed group as :class:`DeviceStepOptimizer` steps it: the group itself,
+    except that its stepped values (``param_buf`` for the optimizer: where states, scratch
+    and fp32 gradient copies go) are the device master, and ``mixed`` says whether the
+    gradients need an fp32 copy (they are not fp32)."""
+
+    def __init__(self, gb):
+        self.group = gb
+        self.param_buf = gb.master
+        self.mixed = gb.grad_dtype != torch.float32
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+
+class DeviceStepOptimizer(PartitionedOptimizer):
+    """``offload_param`` without ``offload_optimizer`` (DeepSpeed accepts it; HF accelerate
+    and axolotl ship such configs): the parameter partitions (compute dtype) live in the
+    store, the master weights and optimizer states stay on the device, where the engine's
+    own kernels step them exactly as without offload; after each bucket (fetch unit) is
+    updated, its new values are written into the store, rounded to the compute dtype by a
+    copy as the kernels' ``param_lowp`` rounds them (DeepSpeed's stage 3 copies each
+    sub-group's fp32 partition into its offloaded fp16/bf16 partition or swaps it out after
+    the sub-group's step). So training is bit-identical to stage 3 without offload.
+
+    Built by the engine instead of :class:`PartitionedOptimizer` when the stage has a
+    parameter store; groups without one (stages 0-2, frozen units) are stepped as usual."""
+
+    def __init__(self, hyper_groups, rule, buffers, *args, **kwargs):
+        views = [_DeviceStepView(gb) if getattr(gb, "master_on_device", False) else gb
+                 for gb in buffers]
+        stores = {id(v.store): v.store for v in views if isinstance(v, _DeviceStepView)}
+        self.param_stores = list(stores.values())
+        super().__init__(hyper_groups, rule, views, *args, **kwargs)
+
+    def step(self, closure=None):
+        super().step(closure)
+        for store in self.param_stores:
+            store.flush()
+
+    def _lowp_target(self, gb, k, send):
+        if isinstance(gb, _DeviceStepView):
+            return None   # the store's copy is written in _finish_bucket
+        return super()._lowp_target(gb, k, send)
+
+    def _finish_bucket(self, gb, k, send, inflight):
+        if isinstance(gb, _DeviceStepView):
+            gb.store.write_piece(gb.group, k, 0, gb.master.bucket(k))
+            return
+        super()._finish_bucket(gb, k, send, inflight)
+
+    def _step_torch(self):
+        super()._step_torch()
+        for gb in self.buffers:
+            if isinstance(gb, _DeviceStepView):
+                for k in range(gb.num_buckets):
+                    gb.store.write_piece(gb.group, k, 0, gb.master.bucket(k))
+
+    def offload_report(self) -> dict:
+        """``memory_report()["offload"]``: the optimizer on the device, the parameters'
+        store report."""
+        return {"device": "none",
+                "params": self.param_stores[0].report() if self.param_stores else None}
+
+
+class FileBackedPartitions:
+    """``zero_core.Init(remote_device="nvme")``: each partition Init keeps while the model is
+    built is a host tensor mapped from its own file in this rank's swap directory (under
+    ``offload_param.nvme_path``). The file is preallocated (a full disk is an OffloadError
+    naming it here, not a SIGBUS at the first write into a sparse mapping) and unlinked at
+    once: the kernel writes the pages to the disk and drops them under memory pressure, so
+    the partitions of a model larger than host memory fit, and the space returns when the
+    engine, having copied them into its own swap files, drops the tensor."""
+
+    def __init__(self, nvme_path: str, rank: int):
+        self.directory = rank_directory(nvme_path, rank, f"{KEY}.nvme_path")
+        self._prefix = unique_prefix("init")
+        self._count = 0
+
+    def __call__(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        path = f"{self.directory}/{self._prefix}{self._count}.part"
+        self._count += 1
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                if nbytes:
+                    os.posix_fallocate(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+            part = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        except OSError as exc:
+            raise io_failure(path, "allocating a parameter partition in", exc, nbytes) from None
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        return part
+
+
+def device_step_class(cls: type) -> type:
+    """The optimizer class the engine builds over a stage with a parameter store and no
+    ``offload_optimizer`` (*cls*: the one it would build otherwise)."""
+    return DeviceStepOptimizer if cls is PartitionedOptimizer else cls
+
+
 def build_param_offload(ctx) -> ParamOffload | None:
     """Stage 3's parameter offload store (*ctx*: the engine's ``BuildContext``), or None
     when ``offload_param`` is off."""
@@ -394,11 +516,6 @@ def build_param_offload(ctx) -> ParamOffload | None:
     cfg = zc.offload_param
     if not cfg.enabled:
         return None
-    if not zc.offload_optimizer.enabled:
-        raise ConfigError(
-            f"config key '{KEY}.device' = {cfg.device!r} needs zero_optimization."
-            f"offload_optimizer too (device 'cpu' or 'nvme'): the fp32 master weights must "
-            f"live apart from the offloaded parameter partitions")
     if zc.zeropp_enabled:
         raise ConfigError(f"config key '{KEY}.device' = {cfg.device!r} cannot be combined "
                           f"with ZeRO++ (zero_quantized_weights / zero_hpz_partition_size / "

@@ -116,6 +116,32 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         if rule.kind == "lamb":
             self._plan_lamb(device)
 
+    # ---- what the engine asks every optimizer (variants override; the defaults do nothing) --
+    #: True while this step's gradients were not reduced across ranks (the 1-bit
+    #: optimizers' compressed phase, optim/onebit.py): the step all-reduces the norms then
+    local_gradients = False
+
+    def speculate(self, reducer, postscale: float, loss_scaler) -> None:
+        """Called after the backward that ends an accumulation window, before ``step()``
+        (SuperOffload starts its host step here: offload/speculative.py)."""
+
+    def set_steps_per_epoch(self, steps: int) -> None:
+        """Told by ``initialize(training_data=)``: optimizer steps per epoch (ZenFlow's
+        epoch-based column selection: offload/zenflow.py)."""
+
+    def before_checkpoint_save(self) -> None:
+        """A collective every rank runs before a save's state is read (the 1-bit optimizers
+        bring each rank's error buffers to rank 0 here: optim/onebit.py)."""
+
+    def checkpoint_extra(self) -> dict | None:
+        """State of this optimizer's own that the flat states do not hold, kept in the
+        checkpoint's ``common.pt`` (ZenFlow's window, the 1-bit optimizers' counters)."""
+        return None
+
+    def load_checkpoint_extra(self, extra: dict | None) -> None:
+        """Given back what :meth:`checkpoint_extra` saved (None: a checkpoint without it),
+        after the flat states were loaded."""
+
     def _check_dtypes(self, present, state_dtype) -> None:
         if state_dtype not in STATE_DTYPES:
             raise ConfigError(f"optimizer state dtype {state_dtype}: use torch.float32 or "

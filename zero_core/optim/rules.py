@@ -27,9 +27,11 @@ ELEMENTWISE_TORCH_OPTIMIZERS = tuple(
 @dataclass(frozen=True)
 class UpdateRule:
     """``kind``: "adam" / "sgd" (fused kernels), "lamb" (FusedLamb: Adam moments and a
-    per-parameter trust ratio, see optim/partitioned.py) or "torch" (re-created
-    torch.optim class). ``adamw``: decoupled weight decay (Adam kind). ``defaults``:
-    hyperparameters a group dict may override."""
+    per-parameter trust ratio, see optim/partitioned.py), "onebit_adam" / "zero_one_adam" /
+    "onebit_lamb" (1-bit Adam, 0/1 Adam, 1-bit LAMB: optim/onebit.py) or "torch"
+    (re-created torch.optim class).
+    ``adamw``: decoupled weight decay (Adam kind). ``defaults``: hyperparameters a group
+    dict may override."""
 
     kind: str
     adamw: bool = False
@@ -43,8 +45,12 @@ class UpdateRule:
     @property
     def state_names(self) -> tuple[str, ...]:
         """Names of the flat state buffers the rule keeps per element."""
-        if self.kind in ("adam", "lamb"):
+        if self.kind in ("adam", "lamb", "onebit_adam"):
             return ("exp_avg", "exp_avg_sq")
+        if self.kind == "onebit_lamb":
+            return ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
+        if self.kind == "zero_one_adam":
+            return ("exp_avg", "exp_avg_sq", "momentum_accumulator")
         if self.kind == "sgd":
             return ("momentum_buffer",)
         return ()
@@ -65,6 +71,36 @@ def rule_from_config(opt_cfg) -> UpdateRule:
                                     ("eps", opt_cfg.eps), ("weight_decay", opt_cfg.weight_decay),
                                     ("max_coeff", opt_cfg.max_coeff),
                                     ("min_coeff", opt_cfg.min_coeff)))
+    if opt_cfg.type == "OneBitAdam":
+        # DeepSpeed's OnebitAdam (optim/onebit.py): raw moments, decoupled decay in the update
+        return UpdateRule("onebit_adam", adamw=True, bias_correction=False,
+                          defaults=(("lr", opt_cfg.lr), ("betas", tuple(opt_cfg.betas)),
+                                    ("eps", opt_cfg.eps), ("weight_decay", opt_cfg.weight_decay),
+                                    ("freeze_step", opt_cfg.freeze_step),
+                                    ("comm_backend_name", opt_cfg.comm_backend_name)))
+    if opt_cfg.type == "OneBitLamb":
+        # DeepSpeed's OnebitLamb (optim/onebit.py): Lamb warm-up, then frozen coefficients
+        return UpdateRule("onebit_lamb", adamw=True, bias_correction=False,
+                          defaults=(("lr", opt_cfg.lr), ("betas", tuple(opt_cfg.betas)),
+                                    ("eps", opt_cfg.eps), ("weight_decay", opt_cfg.weight_decay),
+                                    ("max_coeff", opt_cfg.max_coeff),
+                                    ("min_coeff", opt_cfg.min_coeff),
+                                    ("freeze_step", opt_cfg.freeze_step),
+                                    ("coeff_beta", opt_cfg.coeff_beta),
+                                    ("factor_max", opt_cfg.factor_max),
+                                    ("factor_min", opt_cfg.factor_min),
+                                    ("factor_threshold", opt_cfg.factor_threshold),
+                                    ("comm_backend_name", opt_cfg.comm_backend_name)))
+    if opt_cfg.type == "ZeroOneAdam":
+        # DeepSpeed's ZeroOneAdam (optim/onebit.py): variance/local-step schedule
+        return UpdateRule("zero_one_adam", adamw=True, bias_correction=False,
+                          defaults=(("lr", opt_cfg.lr), ("betas", tuple(opt_cfg.betas)),
+                                    ("eps", opt_cfg.eps), ("weight_decay", opt_cfg.weight_decay),
+                                    ("var_freeze_step", opt_cfg.var_freeze_step),
+                                    ("var_update_scaler", opt_cfg.var_update_scaler),
+                                    ("local_step_scaler", opt_cfg.local_step_scaler),
+                                    ("local_step_clipper", opt_cfg.local_step_clipper),
+                                    ("comm_backend_name", opt_cfg.comm_backend_name)))
     if opt_cfg.type == "SGD":
         return UpdateRule("sgd", defaults=(("lr", opt_cfg.lr), ("momentum", opt_cfg.momentum),
                                            ("dampening", opt_cfg.dampening),
@@ -79,6 +115,14 @@ def require_offloadable(rule: UpdateRule) -> None:
     cannot run: it steps host sub-groups one at a time with the CPU Adam/SGD kernels, and
     Lamb's trust ratio needs the norms of whole parameters before any element is updated
     (a second pass over every sub-group, which the offloaded step does not have yet)."""
+    if rule.kind in ("onebit_adam", "zero_one_adam", "onebit_lamb"):
+        name = {"onebit_adam": "OneBitAdam", "zero_one_adam": "ZeroOneAdam",
+                "onebit_lamb": "OneBitLamb"}[rule.kind]
+        raise ConfigError(
+            f"optimizer.type='{name}' runs without ZeRO partitioning (stage 0), as in "
+            "DeepSpeed (which refuses it with ZeRO), so not with "
+            "zero_optimization.offload_optimizer: set zero_optimization.stage to 0 and remove "
+            "offload_optimizer, or use Adam/AdamW with offload")
     if rule.kind == "lamb":
         raise ConfigError(
             "optimizer.type='Lamb' is not available with zero_optimization.offload_optimizer "

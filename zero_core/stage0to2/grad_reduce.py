@@ -16,9 +16,11 @@ every collective carries the gradient in the communication dtype (default: the c
 dtype). Where the gradient is in another dtype, it is converted on its way into a pooled
 bucket buffer — at stage 2 by the copy the hook makes anyway, at stages 0/1 by one copy of
 the bucket before the collective — so the extra memory is bounded by the pool, not by the
-model. The reduced result lands in the accumulator's dtype (``grad_dtype`` of the buffers):
-directly when the dtypes agree, otherwise through a pooled output buffer and one copy (or
-add). At stage 1 with an fp32 accumulator under bf16/fp16 (the buffers' ``grad_views``
+model. Under ``torch_autocast`` (stages 1-2) each parameter's gradient travels in the dtype
+engine/autocast.py marked it with (the pools then hold the compute dtype); a bucket mixing
+dtypes is reduce-scattered as one collective per dtype (``MixedReduction``). The reduced
+result lands in the accumulator's dtype (``grad_dtype`` of the buffers): directly when the
+dtypes agree, otherwise through a pooled output buffer and one copy (or add). At stage 1 with an fp32 accumulator under bf16/fp16 (the buffers' ``grad_views``
 false) each micro-step's ``.grad`` is added into the fp32 accumulator and dropped.
 
 Collectives must be issued in the same order on every rank, whatever order backward
@@ -41,6 +43,8 @@ from typing import Callable
 import torch
 
 from zero_core.config.precision import comm_dtype_for
+from zero_core.engine.autocast import (DtypePools, MixedReduction, bucket_runs,
+                                      param_comm_dtype, reducer_dtype)
 from zero_core.partitioning.buffer_pool import BufferPool
 from zero_core.interfaces.communicator import Communicator
 from zero_core.interfaces.engine_parts import BucketBuffersProtocol, GradReducerProtocol
@@ -81,7 +85,8 @@ class GradReducer(GradReducerProtocol):
                          default=0)
         dtype = groups[0].param_buf.dtype if groups else torch.float32
         device = groups[0].param_buf.data.device if groups else torch.device("cpu")
-        self.comm_dtype = comm_dtype_for(comm, comm_dtype or dtype,
+        params = [p for gb in groups for p in gb.params]
+        self.comm_dtype = comm_dtype_for(comm, reducer_dtype(params, comm_dtype or dtype, dtype),
                                          "all_reduce" if stage == 0 else "reduce_scatter")
         ws = comm.world_size
         # collectives' outputs, and the buckets they read when the gradient is in another
@@ -89,6 +94,10 @@ class GradReducer(GradReducerProtocol):
         self._out_pool = BufferPool(max(max_bucket // ws, 1), self.comm_dtype, device,
                                     on_allocate)
         self._grad_pool = BufferPool(max(max_bucket, 1), self.comm_dtype, device, on_allocate)
+        # torch_autocast (engine/autocast.py): buckets whose parameters are reduced in other
+        # dtypes than comm_dtype, one collective per dtype
+        self._mixed = self._mixed_buckets(comm)
+        self._pools = DtypePools(max_bucket, device, on_allocate, self._finish_oldest)
         self._inflight: deque = deque()
         # stage 2: accumulator slices that the next reduction overwrites instead of adds to
         self._fresh = {gk: True for gk in self.order}
@@ -96,6 +105,23 @@ class GradReducer(GradReducerProtocol):
         self._hooks = []
         self._round_open = False
         self._reset_round()
+
+    def _mixed_buckets(self, comm) -> dict:
+        mixed = {}
+        for g, k in self.order:
+            gb = self.groups[g]
+            spans = [(s.bucket_lo, s.numel, gb.params[s.param]) for s in self._segments[(g, k)]]
+            runs = bucket_runs(spans, gb.layout.bucket_sizes[k], param_comm_dtype,
+                               self.comm_dtype)
+            if runs is not None:
+                for _, _, d in runs:
+                    comm_dtype_for(comm, d, "reduce_scatter")
+                mixed[(g, k)] = MixedReduction(runs, gb.layout.bucket_sizes[k], comm.world_size,
+                                               gb.rank)
+        if mixed and self.stage == 0:
+            raise ValueError("per-parameter reduction dtypes at stage 0 (engine/autocast.py "
+                             "marks none there)")
+        return mixed
 
     # ---- hooks -------------------------------------------------------------------------
     def register_hooks(self) -> None:
@@ -183,6 +209,8 @@ class GradReducer(GradReducerProtocol):
             send = self._in_comm_dtype(bucket)
             handle = comm.all_reduce(send, "sum", async_op=True)
             done = None if send is bucket else self._copy_back(send, bucket)
+        elif (g, k) in self._mixed:
+            handle, done = self._launch_mixed(g, k)
         elif self.stage == 1:
             bucket = gb.grad_buf.bucket(k)
             send = self._in_comm_dtype(bucket)
@@ -224,6 +252,26 @@ class GradReducer(GradReducerProtocol):
         self._inflight.append((handle, done))
         while len(self._inflight) > self.max_inflight:
             self._finish_oldest()
+
+    def _launch_mixed(self, g: int, k: int):
+        """Stages 1/2, a bucket with parameters reduced in several dtypes (torch_autocast)."""
+        gb = self.groups[g]
+        plan = self._mixed[(g, k)]
+        if self.stage == 1:
+            return plan.launch(self.comm, gb.grad_buf.bucket(k), gb.grad_buf.shard(k), False,
+                               self._pools.take, self._pools.release)
+        src = self._bucket_grads.pop((g, k), None)
+        if src is None or self._remaining[(g, k)]:
+            src = self._fill_missing(g, k, src)
+        fresh = self._fresh[(g, k)]
+        self._fresh[(g, k)] = False
+        handle, finish = plan.launch(self.comm, src, gb.grad_part.bucket(k), not fresh,
+                                     self._pools.take, self._pools.release)
+
+        def done(src=src):
+            finish()
+            self._grad_pool.release(src)
+        return handle, done
 
     def _in_comm_dtype(self, bucket: torch.Tensor) -> torch.Tensor:
         """Stages 0/1: *bucket* itself when it is in the communication dtype, else a pooled
@@ -284,4 +332,4 @@ class GradReducer(GradReducerProtocol):
     @property
     def communication_buffers(self) -> int:
         """Pooled buffers allocated so far (count)."""
-        return self._out_pool.allocated + self._grad_pool.allocated
+        return self._out_pool.allocated + self._grad_pool.allocated + self._pools.allocated

@@ -71,7 +71,7 @@ class Stage3GroupBuffers(UnitBuffersProtocol):
         self.params = [p for u in units for p in u.params]
         self.master = self.grad_part = None
         parts = self._place_parameters(compute_dtype, device, ledger)
-        if self.mixed:
+        if self._keeps_master():
             self.master = self._place_master(device, ledger)
         if trainable and not self.GRADIENTS_AFTER_VALUES:
             self._place_gradients(compute_dtype, device, ledger)
@@ -91,6 +91,10 @@ class Stage3GroupBuffers(UnitBuffersProtocol):
             u.grad_part = self.grad_part.bucket(k) if trainable else None
 
     # ---- where the partitions live (OffloadedStage3GroupBuffers replaces these) -----------
+    def _keeps_master(self) -> bool:
+        """Whether the group keeps a master apart from ``param_buf`` (mixed precision)."""
+        return self.mixed
+
     def _place_parameters(self, compute_dtype, device, ledger) -> list[torch.Tensor]:
         """Allocate ``param_buf``; returns each unit's ``part``."""
         self.param_buf = FlatBuffer(self.layout, "partition", compute_dtype, device, self.rank)
@@ -153,24 +157,36 @@ class OffloadedStage3GroupBuffers(Stage3GroupBuffers):
     bf16, as DeepSpeed's zero.Init casts it), the store's partitions hold them exactly, so
     no host master is made and the optimizer reads its fp32 master from the store unit by
     unit: building then never holds a whole partition, which is what lets a model larger
-    than host memory (ZeRO-Infinity) be built at all."""
+    than host memory (ZeRO-Infinity) be built at all.
+
+    *master_on_device* (``offload_param`` without ``offload_optimizer``, as DeepSpeed runs
+    it): the optimizer steps on the device, so every trainable group keeps its master there
+    (``master_dtype``; in fp32 training too, since the parameters are host memory or a file
+    that no device kernel updates in place) and the updated values are written back into
+    the store after each bucket's update (offload/params.py, ``DeviceStepOptimizer``)."""
 
     GRADIENTS_AFTER_VALUES = True
 
     def __init__(self, units, trainable, compute_dtype, device, rank, world_size, ledger,
                  full_values, store: ParamStoreProtocol, grad_dtype: torch.dtype | None = None,
                  master_dtype: torch.dtype = torch.float32,
-                 values_in_compute_dtype: bool = False):
+                 values_in_compute_dtype: bool = False, master_on_device: bool = False):
         self.store = store
-        self._master_from_store = values_in_compute_dtype
+        self.master_on_device = master_on_device and trainable
+        self._master_from_store = values_in_compute_dtype and not self.master_on_device
         super().__init__(units, trainable, compute_dtype, device, rank, world_size, ledger,
                          full_values, grad_dtype, master_dtype=master_dtype)
+
+    def _keeps_master(self) -> bool:
+        return self.mixed or self.master_on_device
 
     def _place_parameters(self, compute_dtype, device, ledger) -> list[torch.Tensor]:
         self.param_buf, parts = self.store.place_group(self.layout, self.units)
         return parts
 
     def _place_master(self, device, ledger) -> FlatBuffer | None:
+        if self.master_on_device:
+            return super()._place_master(device, ledger)
         if self._master_from_store:
             return None   # the optimizer reads the exact values from the store
         # handed to the offloaded optimizer's store, then dropped (engine order)

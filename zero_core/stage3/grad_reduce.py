@@ -25,7 +25,9 @@ conversion and the collective carries that dtype; the result lands in ``unit.gra
 dtype (the accumulator, fp32 when ``grad_accum_dtype`` says so) — directly when the two
 agree, otherwise through a pooled output buffer and one copy or add. qgZ quantizes to int4
 whatever it is given, so a communication dtype other than the compute dtype is refused with
-it. A parameter delivering twice in one backward is added in the communication dtype.
+it. A parameter delivering twice in one backward is added in the communication dtype. Under
+``torch_autocast`` each parameter's gradient travels in the dtype engine/autocast.py marked it
+with; a unit mixing dtypes is reduce-scattered as one collective per dtype.
 
 Launch order is the order units complete, which is the same on every rank (same graph,
 same deterministic autograd schedule).
@@ -37,6 +39,8 @@ from collections import deque
 import torch
 
 from zero_core.config.precision import comm_dtype_for, dtype_name
+from zero_core.engine.autocast import (DtypePools, MixedReduction, bucket_runs,
+                                      param_comm_dtype, reducer_dtype)
 from zero_core.errors import ConfigError
 from zero_core.partitioning.buffer_pool import BufferPool
 from zero_core.interfaces.communicator import Communicator
@@ -64,7 +68,9 @@ class Stage3GradReducer(GradReducerProtocol):
                 self._slot[id(p)] = (u, i)
         biggest = max((u.padded_numel for u in self.units), default=1)
         dtype = self.units[0].part.dtype if self.units else torch.float32
-        self.comm_dtype = comm_dtype_for(comm, comm_dtype or dtype, "reduce_scatter")
+        params = [p for u in self.units for p in u.params]
+        self.comm_dtype = comm_dtype_for(comm, reducer_dtype(params, comm_dtype or dtype, dtype),
+                                         "reduce_scatter")
         if reduce_unit is not None and self.comm_dtype != dtype:
             raise ConfigError(
                 f"communication_data_type {dtype_name(self.comm_dtype)} differs from the "
@@ -76,6 +82,24 @@ class Stage3GradReducer(GradReducerProtocol):
         self._grad_pool = BufferPool(biggest, self.comm_dtype, device, on_allocate)
         self._out_pool = BufferPool(max(biggest // comm.world_size, 1), self.comm_dtype, device,
                                     on_allocate)
+        # torch_autocast (engine/autocast.py): units whose parameters are reduced in other
+        # dtypes than comm_dtype, one collective per dtype
+        self._mixed = {}
+        for u in self.units:
+            runs = bucket_runs([(u.offsets[i], pp.meta_of(p).numel, p) for i, p in
+                                enumerate(u.params)], u.padded_numel, param_comm_dtype,
+                               self.comm_dtype)
+            if runs is not None:
+                if reduce_unit is not None:
+                    raise ConfigError(
+                        "torch_autocast reduces lower_precision_safe_modules' gradients in "
+                        "the autocast dtype, but zero_optimization.zero_quantized_gradients "
+                        "(ZeRO++ qgZ) sends gradients as int4; turn one of them off")
+                for _, _, d in runs:
+                    comm_dtype_for(comm, d, "reduce_scatter")
+                self._mixed[u.index] = MixedReduction(runs, u.padded_numel, comm.world_size,
+                                                      comm.rank)
+        self._pools = DtypePools(biggest, device, on_allocate, self._finish_oldest)
         self._fresh = {u.index: True for u in self.units}
         self._bufs: dict[int, torch.Tensor] = {}
         self._delivered: dict[int, set] = {}
@@ -128,11 +152,19 @@ class Stage3GradReducer(GradReducerProtocol):
         fresh = self._fresh[u.index]
         self._fresh[u.index] = False
         acc = u.grad_part
-        if self.comm.world_size == 1:
+        plan = self._mixed.get(u.index)
+        if plan is not None:
+            handle, finish = plan.launch(self.comm, buf, acc, not fresh, self._pools.take,
+                                         self._pools.release)
+
+            def done(buf=buf):
+                finish()
+                self._grad_pool.release(buf)
+        elif self.comm.world_size == 1:
             acc.copy_(buf) if fresh else acc.add_(buf)
             self._grad_pool.release(buf)
             return
-        if fresh and acc.dtype == buf.dtype:
+        elif fresh and acc.dtype == buf.dtype:
             handle = self._reduce(u, acc, buf)
 
             def done(buf=buf):
@@ -186,4 +218,4 @@ class Stage3GradReducer(GradReducerProtocol):
 
     @property
     def communication_buffers(self) -> int:
-        return self._grad_pool.allocated + self._out_pool.allocated
+        return self._grad_pool.allocated + self._out_pool.allocated + self._pools.allocated

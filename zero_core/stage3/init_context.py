@@ -20,6 +20,15 @@ When the context exits, one all-reduce compares checksums of every parameter it
 partitioned across ranks, and a difference (a missing ``torch.manual_seed``) is an error
 naming the parameter, as ``initialize`` does for models built without Init.
 
+Where and in what dtype (DeepSpeed's arguments): ``remote_device`` puts the partitions in
+host memory (``"cpu"``, pinned with ``pin_memory``) or in one mapped file each under
+``offload_param.nvme_path`` (``"nvme"``) instead of on the accelerator's device; the
+config's ``offload_param.device`` overrides it when set, as in DeepSpeed. ``initialize``
+then moves them where the config says. ``dtype`` is the dtype parameters are created in
+(the default dtype inside the context) and partitioned in: fp32 or the config's compute
+dtype. ``dtype=None`` keeps the dtype the model creates — DeepSpeed casts to the config's
+precision there; zero-core keeps the exact values, which its engine's fp32 master uses.
+
 At stages 0-2 (or ``enabled=False``) Init does nothing.
 
 GatheredParameters
@@ -38,12 +47,14 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 
 import torch
 
 from zero_core.config import Config, parse_config
 from zero_core.config.schema import ZeroConfig
-from zero_core.errors import ConfigError, ZeroCoreError
+from zero_core.config.precision import torch_dtype
+from zero_core.errors import ConfigError, ConfigWarning, ZeroCoreError
 from zero_core.runtime.launch import discover
 from zero_core.runtime.partition_comm import build_sharding
 from zero_core.partitioning.layout import alignment_for, round_up
@@ -60,23 +71,36 @@ _SUBCLASS_HOOK_INSTALLED = [False]
 # ---------------------------------------------------------------------------------------------
 
 def partition_own(p: torch.nn.Parameter, name: str, comm,
-                  device: torch.device | None = None) -> pp.ParamMeta:
+                  device: torch.device | None = None, dtype: torch.dtype | None = None,
+                  allocate=None) -> pp.ParamMeta:
     """Keep only this rank's slice of *p*'s values over *comm*'s ranks (padded to
     world_size × alignment; the stages' partition communicator, runtime/partition_comm.py), on
-    *device* (default: where *p* was built); *p* becomes a released PartitionedParameter."""
+    *device* (default: where *p* was built), in *dtype* (default: *p*'s; a floating
+    parameter is cast, rounding as a copy does). *allocate(numel, dtype)*, when given,
+    makes the zeroed host tensor instead (Init's remote_device: pinned memory, a file).
+    *p* becomes a released PartitionedParameter."""
     rank, world_size = comm.rank, comm.world_size
     values = p.data.detach().reshape(-1)
     meta = pp.mark_partitioned(p, name)
-    padded = round_up(meta.numel, world_size * alignment_for(values.element_size()))
+    if dtype is not None and values.is_floating_point():
+        meta.extra["init_dtype"] = dtype   # the engine checks it against its compute dtype
+    else:
+        dtype = values.dtype
+    elem = torch.empty((), dtype=dtype).element_size()
+    padded = round_up(meta.numel, world_size * alignment_for(elem))
     shard = padded // world_size
-    part = torch.zeros(shard, dtype=values.dtype, device=device or values.device)
+    if allocate is not None:
+        part = allocate(shard, dtype)
+    else:
+        part = torch.zeros(shard, dtype=dtype, device=device or values.device)
     lo = rank * shard
     hi = min(lo + shard, meta.numel)
     if lo < hi:
         part[:hi - lo].copy_(values[lo:hi])
     meta.own_part, meta.own_padded, meta.own_comm = part, padded, comm
     meta.owner = _INIT_OWNER
-    pp.release(p)
+    meta.dtype = dtype
+    pp.release(p, dtype=dtype)
     return meta
 
 
@@ -209,6 +233,59 @@ def _materialize(func, args, kwargs, released):
             pp.release(p)
 
 
+#: the dtypes Init may create and partition parameters in (DeepSpeed's list)
+INIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _remote_device(remote_device, pin_memory, cfg) -> tuple[str | None, bool]:
+    """Where Init puts the partitions, as DeepSpeed decides it: the config's
+    ``offload_param.device`` when it offloads parameters (the argument is then overridden,
+    as in DeepSpeed, with a warning when it says otherwise), else *remote_device*; None: the
+    accelerator's device. ``"nvme"`` needs ``offload_param.device: nvme`` in the config.
+    ``"cpu"``: host memory (pinned with *pin_memory* or ``offload_param.pin_memory``);
+    ``"nvme"``: a file per partition under ``offload_param.nvme_path``, mapped into host
+    memory (offload/params.py, FileBackedPartitions). ``initialize`` then puts them where
+    the config says (its own swap files; the device when the config has no offload_param)."""
+    if remote_device not in (None, "none", "cpu", "nvme"):
+        raise ConfigError(f"zero_core.Init(remote_device={remote_device!r}): use None (the "
+                          f"accelerator's device), 'cpu' or 'nvme'")
+    if remote_device == "none":
+        remote_device = None
+    offload = cfg.zero_optimization.offload_param if cfg is not None else None
+    if offload is not None and offload.enabled:
+        if remote_device is not None and remote_device != offload.device:
+            warnings.warn(
+                f"zero_core.Init(remote_device={remote_device!r}) is overridden by the config's "
+                f"zero_optimization.offload_param.device = {offload.device!r}, as DeepSpeed does; "
+                f"pass remote_device=None or make them agree", ConfigWarning, stacklevel=3)
+        return offload.device, bool(pin_memory or offload.pin_memory)
+    if remote_device == "nvme":
+        raise ConfigError(
+            "zero_core.Init(remote_device='nvme') needs zero_optimization.offload_param with "
+            "device 'nvme' and an nvme_path in the config (as DeepSpeed requires): pass "
+            "config=... with it, or use remote_device='cpu'")
+    return remote_device, bool(pin_memory) and remote_device is not None
+
+
+def _init_dtype(dtype, cfg) -> torch.dtype | None:
+    """*dtype* checked: one of INIT_DTYPES and, with a config, fp32 or the config's compute
+    dtype (values created in another 16-bit format would be rounded twice, or trained in a
+    precision the config does not ask for)."""
+    if dtype is None:
+        return None
+    if dtype not in INIT_DTYPES:
+        raise ConfigError(f"zero_core.Init(dtype={dtype!r}): use torch.float32, torch.bfloat16 "
+                          f"or torch.float16 (or None: the dtype the model creates)")
+    if cfg is not None and dtype != torch.float32:
+        compute = torch_dtype(cfg.precision)
+        if dtype != compute:
+            raise ConfigError(
+                f"zero_core.Init(dtype={dtype}) with a config that trains in {compute}: the "
+                f"parameters would be rounded to {dtype} and then trained in {compute}. Pass "
+                f"dtype={compute} (the compute dtype), torch.float32 (exact), or None")
+    return dtype
+
+
 class Init:
     """Context manager that builds models already partitioned for ZeRO stage 3 (see the
     module docstring). *config*: the training config (dict, JSON path or Config; also
@@ -222,20 +299,18 @@ class Init:
         if data_parallel_group is not None or mpu is not None:
             raise ConfigError("zero_core.Init: data_parallel_group/mpu are not supported (zero-core "
                               "partitions over all ranks); pass None")
-        if remote_device not in (None, "none"):
-            raise ConfigError(f"zero_core.Init(remote_device={remote_device!r}): parameter offload "
-                              f"is not implemented yet; pass remote_device=None")
-        if dtype is not None:
-            raise ConfigError("zero_core.Init(dtype=...): parameters are partitioned in the dtype "
-                              "they are created in and cast by the engine; pass dtype=None")
         cfg = config if config is not None else config_dict_or_path
         if cfg is not None and not isinstance(cfg, Config):
             cfg = parse_config(cfg, discover().world_size)
         stage = cfg.zero_optimization.stage if cfg is not None else 3
         self.enabled = bool(enabled) and stage == 3
         self.config = cfg
+        self.remote_device, self.pin_memory = _remote_device(remote_device, pin_memory, cfg)
+        self.dtype = _init_dtype(dtype, cfg)
         self.comm = self.partition_comm = None
         self.device = None
+        self._allocate = None
+        self._default_dtype = None
         self._checks: list[tuple] = []   # (parameter, name, checksums)
         self._outermost = None
         if module is not None and self.enabled:
@@ -260,10 +335,16 @@ class Init:
         zc = self.config.zero_optimization if self.config is not None else ZeroConfig(stage=3)
         self.partition_comm = build_sharding(runtime.comm, zc, 3,
                                              uses_qgz=zc.zero_quantized_gradients).comm
+        if self.remote_device is not None:   # the partitions go to host memory or files
+            self.device = torch.device("cpu")
+            self._allocate = self._host_allocator(runtime)
         with _LOCK:
             if not _ACTIVE:
                 _install()
             _ACTIVE.append(self)
+            if self.dtype is not None:   # modules create their floating tensors in dtype
+                self._default_dtype = torch.get_default_dtype()
+                torch.set_default_dtype(self.dtype)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -271,6 +352,9 @@ class Init:
             return False
         with _LOCK:
             _ACTIVE.remove(self)
+            if self._default_dtype is not None:
+                torch.set_default_dtype(self._default_dtype)
+                self._default_dtype = None
             if not _ACTIVE:
                 _uninstall()
         if exc_type is None:
@@ -284,8 +368,23 @@ class Init:
             if pp.is_partitioned(p):
                 continue
             self._checks.append((p, f"{type(module).__name__}.{name}", _checksum(p.data)))
-            # modules are built on the host one at a time; only partitions stay, on the device
-            partition_own(p, name, self.partition_comm, self.device)
+            # modules are built on the host one at a time; only partitions stay, on the
+            # device (or in host memory: remote_device)
+            partition_own(p, name, self.partition_comm, self.device, self.dtype,
+                          self._allocate)
+
+    def _host_allocator(self, runtime):
+        """remote_device: "nvme" — each partition a file in this rank's swap directory
+        (offload/params.py, FileBackedPartitions); "cpu" — host memory, pinned with
+        pin_memory; else None (plain host memory)."""
+        if self.remote_device == "nvme":
+            from zero_core.offload.params import FileBackedPartitions
+            return FileBackedPartitions(self.config.zero_optimization.offload_param.nvme_path,
+                                        runtime.comm.rank)
+        if self.pin_memory:
+            pin = runtime.accelerator.pin_memory
+            return lambda numel, dtype: pin(torch.zeros(numel, dtype=dtype))
+        return None
 
     def _verify(self) -> None:
         """Every rank must have built the same values (one all-reduce)."""

@@ -25,7 +25,7 @@ import torch
 from zero_core.checkpoint.engine_state import group_layouts, restore_unit_params, unit_fragments
 from zero_core.config.precision import torch_dtype
 from zero_core.engine.contract import StageParts
-from zero_core.errors import ZeroCoreError
+from zero_core.errors import ConfigError, ZeroCoreError
 from zero_core.engine.model_sync import broadcast_buffers, check_parameters_match
 from zero_core.placement import move_module, move_parameter
 from zero_core.stage3 import partitioned_params as pp
@@ -59,6 +59,7 @@ class Stage3Parts(StageParts):
             move_parameter(p, ctx.device)
 
     def build(self, model, groups):
+        self._check_init_dtypes(model)
         self.units, module_units = self._plan_fetch_units(model, groups)
         self.param_store = self._build_param_store()
         self.buffers, self.frozen_buffers = self._build_group_buffers(len(groups))
@@ -71,6 +72,19 @@ class Stage3Parts(StageParts):
         units = self.units
         log.info("stage 3: %d parameters in %d fetch units (%d persistent)",
                  sum(u.numel for u in units), len(units), sum(u.persistent for u in units))
+
+    def _check_init_dtypes(self, model) -> None:
+        """A model built under ``zero_core.Init(dtype=...)`` without a config (Init checks
+        it against the config when it has one): the dtype must be fp32 or the compute
+        dtype — another 16-bit format would have rounded the values for nothing."""
+        compute = self.ctx.compute_dtype
+        for name, p in model.named_parameters():
+            want = pp.meta_of(p).extra.get("init_dtype") if pp.is_partitioned(p) else None
+            if want is not None and want not in (torch.float32, compute):
+                raise ConfigError(
+                    f"parameter '{name}' was built under zero_core.Init(dtype={want}) but the "
+                    f"config trains in {compute}: the values were rounded to {want} for "
+                    f"nothing. Build with dtype={compute}, torch.float32 or None")
 
     def _plan_fetch_units(self, model, groups):
         """The fetch units of every parameter (units.py: by optimizer group, FROZEN for
@@ -108,9 +122,12 @@ class Stage3Parts(StageParts):
         grad_dtype = torch_dtype(ctx.config.grad_accum_dtype_name)
         if self.param_store is None:
             return Stage3GroupBuffers(*args, grad_dtype=grad_dtype, master_dtype=ctx.master_dtype)
+        # offload_param alone: the optimizer, and so the master, stays on the device
+        on_device = not ctx.config.zero_optimization.offload_optimizer.enabled
         return OffloadedStage3GroupBuffers(*args, store=self.param_store, grad_dtype=grad_dtype,
                                            master_dtype=ctx.master_dtype,
-                                           values_in_compute_dtype=self._built_in_compute_dtype(units))
+                                           values_in_compute_dtype=self._built_in_compute_dtype(units),
+                                           master_on_device=on_device)
 
     def _built_in_compute_dtype(self, units) -> bool:
         """True when every parameter of *units* holds its values in the compute dtype

@@ -1,0 +1,192 @@
+#!/usr/bin/env python
+"""Write tests/fixtures/deepspeed_autocast.json, DeepSpeed's own runs of ``torch_autocast``
+(alone and with ``bf16``) that tests/test_torch_autocast.py compares zero-core against.
+
+Run where DeepSpeed is installed, on the CPU::
+
+    DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python ci/tools/make_autocast_fixture.py
+
+Per case (ZeRO stage x precision x ``lower_precision_safe_modules``), two ranks on this host
+(gloo) build the small model below from ``torch.manual_seed(0)``, train it for STEPS steps on
+fixed data (step ``s``: ``torch.Generator().manual_seed(500 + s)``, ``x = randn(12, 8)``,
+``y = randn(12, 5)``, rank r of 2 taking rows ``[6r, 6r + 6)``) with the config's ``Adam``
+and gradient clipping, and record: the mean loss per step, every parameter's fp32 value
+after the last step (DeepSpeed's master weights), the dtype each parameter has in the model,
+and the dtypes DeepSpeed's ZeRO optimizer keeps its gradient-reduction buckets in (the
+``comm_dtype`` it gave each parameter, where it gave one). A case DeepSpeed refuses is
+recorded with its message.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+OUT = os.path.join(REPO, "tests", "fixtures", "deepspeed_autocast.json")
+STEPS, GLOBAL_BATCH, RANKS = 4, 12, 2
+
+#: name -> (stage, bf16 section or None, lower_precision_safe_modules or None)
+CASES = {
+    **{f"stage{s}_fp32": (s, None, None) for s in (0, 1, 2, 3)},
+    **{f"stage{s}_bf16": (s, {"enabled": True}, None) for s in (0, 1, 2, 3)},
+    **{f"stage{s}_bf16_master": (s, {"enabled": True, "bf16_master_weights_and_grads": True,
+                                     "bf16_optimizer_states": True}, None) for s in (1, 2, 3)},
+    "stage2_fp32_layernorm_safe": (2, None, ["torch.nn.LayerNorm"]),
+    "stage3_fp32_layernorm_safe": (3, None, ["torch.nn.LayerNorm"]),
+}
+
+
+class Net(torch.nn.Module):
+    """Linear layers (lower-precision safe by default) around a LayerNorm (not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.ln = torch.nn.LayerNorm(16)
+        self.l2 = torch.nn.Linear(16, 9)
+        self.head = torch.nn.Linear(9, 5)
+
+    def forward(self, x):
+        h = self.ln(torch.tanh(self.l1(x)))
+        return self.head(torch.nn.functional.gelu(self.l2(h)))
+
+
+def make_model() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch(step: int, rank: int, world: int):
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(GLOBAL_BATCH, 8, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 5, generator=g)
+    n = GLOBAL_BATCH // world
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def config(stage: int, bf16, safe) -> dict:
+    autocast = {"enabled": True, "dtype": "bfloat16"}
+    if safe is not None:
+        autocast["lower_precision_safe_modules"] = safe
+    cfg = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 1,
+           "gradient_clipping": 1.0,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.9, 0.99],
+                                                    "eps": 1e-8}},
+           "zero_optimization": {"stage": stage}, "torch_autocast": autocast,
+           "steps_per_print": 1000}
+    if bf16 is not None:
+        cfg["bf16"] = bf16
+    return cfg
+
+
+def rank_main(name: str, out: str) -> None:
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.torch_autocast import get_comm_dtype, has_comm_dtype
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stage, bf16, safe = CASES[name]
+    model = make_model()
+    cfg = config(stage, bf16, safe)
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=cfg)
+    except Exception as exc:
+        if rank == 0:
+            with open(out, "w") as fh:
+                json.dump({"config": cfg, "refused": f"{type(exc).__name__}: {exc}"}, fh)
+        return
+    param_dtypes = {n: str(p.dtype) for n, p in engine.module.named_parameters()}
+    comm = {n: str(get_comm_dtype(p)) for n, p in engine.module.named_parameters()
+            if has_comm_dtype(p)}
+    buckets = sorted(str(d) for d in getattr(engine.optimizer, "ipg_buckets", {}))
+    losses = []
+    for s in range(STEPS):
+        x, y = batch(s, rank, world)
+        loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    masters = {}
+    opt = engine.optimizer
+    if hasattr(opt, "fp32_groups_flat") and hasattr(opt, "fp16_groups"):
+        for flat, group in zip(opt.fp32_groups_flat, opt.fp16_groups):
+            pos = 0
+            for p in group:
+                masters[id(p)] = flat[pos:pos + p.numel()].view(p.shape)
+                pos += p.numel()
+    final = {}
+    for n, p in engine.module.named_parameters():
+        v = masters.get(id(p))
+        if v is None:
+            v = safe_get_full_fp32_param(p)
+        if v is None:
+            v = p.detach()
+        final[n] = v.detach().float().cpu().reshape(-1).tolist()
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump({"config": cfg, "losses": losses, "final": final,
+                       "param_dtypes": param_dtypes, "comm_dtypes": comm,
+                       "bucket_dtypes": buckets,
+                       "wrapper": type(engine.optimizer).__name__}, fh)
+    dist.barrier()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_case(name: str, work: str) -> dict:
+    port = _free_port()
+    out = os.path.join(work, f"{name}.json")
+    procs = []
+    for rank in range(RANKS):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(RANKS), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank", name, out], env=env))
+    codes = [p.wait(timeout=900) for p in procs]
+    if any(codes):
+        raise SystemExit(f"case {name}: ranks exited with {codes}")
+    with open(out) as fh:
+        return json.load(fh)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--rank":
+        rank_main(argv[1], argv[2])
+        return 0
+    import deepspeed
+    work = os.path.join("/tmp", "zero_core_autocast_fixture")
+    os.makedirs(work, exist_ok=True)
+    only = set(argv[0].split(",")) if argv else None
+    result = {"deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__,
+              "steps": STEPS, "cases": {}}
+    if os.path.exists(OUT) and only:
+        with open(OUT) as fh:
+            result["cases"] = json.load(fh)["cases"]
+    for name in CASES:
+        if only and name not in only:
+            continue
+        print(f"[autocast fixture] {name}", flush=True)
+        result["cases"][name] = run_case(name, work)
+    with open(OUT, "w") as fh:
+        json.dump(result, fh, indent=1, sort_keys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
