@@ -39,7 +39,7 @@ import logging
 
 import torch
 
-from zero_core.config.precision import dtype_name, torch_dtype
+from zero_core.config.precision import comm_dtype_for, dtype_name, torch_dtype
 from zero_core.errors import ConfigError
 
 log = logging.getLogger("zero_core.engine")
@@ -254,13 +254,27 @@ class DtypePools:
         return sum(p.allocated for p in self._pools.values())
 
 
-def bucket_runs(spans, size: int, dtype_of, default: torch.dtype):
+def mixed_reduction(comm, spans, size: int, default: torch.dtype,
+                    rank: int) -> MixedReduction | None:
+    """The per-dtype reduce-scatter of a flat bucket of *size* elements whose parameters
+    *spans* ``[(lo, n, param)]`` are reduced in several dtypes (the stages' gradient
+    reducers ask it per bucket; *rank*: this rank's slice), or None when all take *default*
+    (one plain collective does). Each dtype is checked against what *comm* can carry."""
+    runs = _bucket_runs(spans, size, default)
+    if runs is None:
+        return None
+    for _, _, dtype in runs:
+        comm_dtype_for(comm, dtype, "reduce_scatter")
+    return MixedReduction(runs, size, comm.world_size, rank)
+
+
+def _bucket_runs(spans, size: int, default: torch.dtype):
     """*spans* ``[(lo, n, param)]`` of a flat bucket of *size* elements as runs ``[(lo, hi,
     dtype)]`` covering ``[0, size)`` (gaps and padding take the neighbouring run's dtype), or
-    None when every parameter's dtype is *default* (one plain collective does)."""
+    None when every parameter's dtype is *default*."""
     runs = []
     for lo, n, p in sorted(spans, key=lambda s: s[0]):
-        d = dtype_of(p, default)
+        d = param_comm_dtype(p, default)
         if runs and runs[-1][2] == d and runs[-1][1] >= lo:
             runs[-1][1] = max(runs[-1][1], lo + n)
         else:

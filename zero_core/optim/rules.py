@@ -56,6 +56,17 @@ class UpdateRule:
         return ()
 
 
+# optimizer.type -> (rule kind, its hyperparameters beyond lr, betas, eps, weight_decay):
+# the 1-bit optimizers (optim/onebit.py), in DeepSpeed's parameter names
+_ONEBIT = {
+    "OneBitAdam": ("onebit_adam", ("freeze_step",)),
+    "OneBitLamb": ("onebit_lamb", ("max_coeff", "min_coeff", "freeze_step", "coeff_beta",
+                                   "factor_max", "factor_min", "factor_threshold")),
+    "ZeroOneAdam": ("zero_one_adam", ("var_freeze_step", "var_update_scaler",
+                                      "local_step_scaler", "local_step_clipper")),
+}
+
+
 def rule_from_config(opt_cfg) -> UpdateRule:
     """The update rule of a config ``optimizer`` section (an OptimizerConfig)."""
     if opt_cfg.type in ("Adam", "AdamW"):
@@ -71,35 +82,13 @@ def rule_from_config(opt_cfg) -> UpdateRule:
                                     ("eps", opt_cfg.eps), ("weight_decay", opt_cfg.weight_decay),
                                     ("max_coeff", opt_cfg.max_coeff),
                                     ("min_coeff", opt_cfg.min_coeff)))
-    if opt_cfg.type == "OneBitAdam":
-        # DeepSpeed's OnebitAdam (optim/onebit.py): raw moments, decoupled decay in the update
-        return UpdateRule("onebit_adam", adamw=True, bias_correction=False,
+    if opt_cfg.type in _ONEBIT:
+        # DeepSpeed's 1-bit optimizers (optim/onebit.py): raw moments, decoupled decay
+        kind, extra = _ONEBIT[opt_cfg.type]
+        return UpdateRule(kind, adamw=True, bias_correction=False,
                           defaults=(("lr", opt_cfg.lr), ("betas", tuple(opt_cfg.betas)),
                                     ("eps", opt_cfg.eps), ("weight_decay", opt_cfg.weight_decay),
-                                    ("freeze_step", opt_cfg.freeze_step),
-                                    ("comm_backend_name", opt_cfg.comm_backend_name)))
-    if opt_cfg.type == "OneBitLamb":
-        # DeepSpeed's OnebitLamb (optim/onebit.py): Lamb warm-up, then frozen coefficients
-        return UpdateRule("onebit_lamb", adamw=True, bias_correction=False,
-                          defaults=(("lr", opt_cfg.lr), ("betas", tuple(opt_cfg.betas)),
-                                    ("eps", opt_cfg.eps), ("weight_decay", opt_cfg.weight_decay),
-                                    ("max_coeff", opt_cfg.max_coeff),
-                                    ("min_coeff", opt_cfg.min_coeff),
-                                    ("freeze_step", opt_cfg.freeze_step),
-                                    ("coeff_beta", opt_cfg.coeff_beta),
-                                    ("factor_max", opt_cfg.factor_max),
-                                    ("factor_min", opt_cfg.factor_min),
-                                    ("factor_threshold", opt_cfg.factor_threshold),
-                                    ("comm_backend_name", opt_cfg.comm_backend_name)))
-    if opt_cfg.type == "ZeroOneAdam":
-        # DeepSpeed's ZeroOneAdam (optim/onebit.py): variance/local-step schedule
-        return UpdateRule("zero_one_adam", adamw=True, bias_correction=False,
-                          defaults=(("lr", opt_cfg.lr), ("betas", tuple(opt_cfg.betas)),
-                                    ("eps", opt_cfg.eps), ("weight_decay", opt_cfg.weight_decay),
-                                    ("var_freeze_step", opt_cfg.var_freeze_step),
-                                    ("var_update_scaler", opt_cfg.var_update_scaler),
-                                    ("local_step_scaler", opt_cfg.local_step_scaler),
-                                    ("local_step_clipper", opt_cfg.local_step_clipper),
+                                    *((name, getattr(opt_cfg, name)) for name in extra),
                                     ("comm_backend_name", opt_cfg.comm_backend_name)))
     if opt_cfg.type == "SGD":
         return UpdateRule("sgd", defaults=(("lr", opt_cfg.lr), ("momentum", opt_cfg.momentum),
@@ -115,9 +104,8 @@ def require_offloadable(rule: UpdateRule) -> None:
     cannot run: it steps host sub-groups one at a time with the CPU Adam/SGD kernels, and
     Lamb's trust ratio needs the norms of whole parameters before any element is updated
     (a second pass over every sub-group, which the offloaded step does not have yet)."""
-    if rule.kind in ("onebit_adam", "zero_one_adam", "onebit_lamb"):
-        name = {"onebit_adam": "OneBitAdam", "zero_one_adam": "ZeroOneAdam",
-                "onebit_lamb": "OneBitLamb"}[rule.kind]
+    name = next((t for t, (kind, _) in _ONEBIT.items() if kind == rule.kind), None)
+    if name is not None:
         raise ConfigError(
             f"optimizer.type='{name}' runs without ZeRO partitioning (stage 0), as in "
             "DeepSpeed (which refuses it with ZeRO), so not with "

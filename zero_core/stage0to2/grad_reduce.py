@@ -20,8 +20,9 @@ model. Under ``torch_autocast`` (stages 1-2) each parameter's gradient travels i
 engine/autocast.py marked it with (the pools then hold the compute dtype); a bucket mixing
 dtypes is reduce-scattered as one collective per dtype (``MixedReduction``). The reduced
 result lands in the accumulator's dtype (``grad_dtype`` of the buffers): directly when the
-dtypes agree, otherwise through a pooled output buffer and one copy (or add). At stage 1 with an fp32 accumulator under bf16/fp16 (the buffers' ``grad_views``
-false) each micro-step's ``.grad`` is added into the fp32 accumulator and dropped.
+dtypes agree, otherwise through a pooled output buffer and one copy (or add). At stage 1
+with an fp32 accumulator under bf16/fp16 (the buffers' ``grad_views`` false) each
+micro-step's ``.grad`` is added into the fp32 accumulator and dropped.
 
 Collectives must be issued in the same order on every rank, whatever order backward
 delivers gradients in on each rank: buckets are launched strictly in one fixed order
@@ -43,8 +44,7 @@ from typing import Callable
 import torch
 
 from zero_core.config.precision import comm_dtype_for
-from zero_core.engine.autocast import (DtypePools, MixedReduction, bucket_runs,
-                                      param_comm_dtype, reducer_dtype)
+from zero_core.engine.autocast import DtypePools, mixed_reduction, reducer_dtype
 from zero_core.partitioning.buffer_pool import BufferPool
 from zero_core.interfaces.communicator import Communicator
 from zero_core.interfaces.engine_parts import BucketBuffersProtocol, GradReducerProtocol
@@ -111,13 +111,10 @@ class GradReducer(GradReducerProtocol):
         for g, k in self.order:
             gb = self.groups[g]
             spans = [(s.bucket_lo, s.numel, gb.params[s.param]) for s in self._segments[(g, k)]]
-            runs = bucket_runs(spans, gb.layout.bucket_sizes[k], param_comm_dtype,
-                               self.comm_dtype)
-            if runs is not None:
-                for _, _, d in runs:
-                    comm_dtype_for(comm, d, "reduce_scatter")
-                mixed[(g, k)] = MixedReduction(runs, gb.layout.bucket_sizes[k], comm.world_size,
-                                               gb.rank)
+            plan = mixed_reduction(comm, spans, gb.layout.bucket_sizes[k], self.comm_dtype,
+                                   gb.rank)
+            if plan is not None:
+                mixed[(g, k)] = plan
         if mixed and self.stage == 0:
             raise ValueError("per-parameter reduction dtypes at stage 0 (engine/autocast.py "
                              "marks none there)")

@@ -39,8 +39,7 @@ from collections import deque
 import torch
 
 from zero_core.config.precision import comm_dtype_for, dtype_name
-from zero_core.engine.autocast import (DtypePools, MixedReduction, bucket_runs,
-                                      param_comm_dtype, reducer_dtype)
+from zero_core.engine.autocast import DtypePools, mixed_reduction, reducer_dtype
 from zero_core.errors import ConfigError
 from zero_core.partitioning.buffer_pool import BufferPool
 from zero_core.interfaces.communicator import Communicator
@@ -86,19 +85,16 @@ class Stage3GradReducer(GradReducerProtocol):
         # dtypes than comm_dtype, one collective per dtype
         self._mixed = {}
         for u in self.units:
-            runs = bucket_runs([(u.offsets[i], pp.meta_of(p).numel, p) for i, p in
-                                enumerate(u.params)], u.padded_numel, param_comm_dtype,
-                               self.comm_dtype)
-            if runs is not None:
+            plan = mixed_reduction(comm, [(u.offsets[i], pp.meta_of(p).numel, p)
+                                          for i, p in enumerate(u.params)],
+                                   u.padded_numel, self.comm_dtype, comm.rank)
+            if plan is not None:
                 if reduce_unit is not None:
                     raise ConfigError(
                         "torch_autocast reduces lower_precision_safe_modules' gradients in "
                         "the autocast dtype, but zero_optimization.zero_quantized_gradients "
                         "(ZeRO++ qgZ) sends gradients as int4; turn one of them off")
-                for _, _, d in runs:
-                    comm_dtype_for(comm, d, "reduce_scatter")
-                self._mixed[u.index] = MixedReduction(runs, u.padded_numel, comm.world_size,
-                                                      comm.rank)
+                self._mixed[u.index] = plan
         self._pools = DtypePools(biggest, device, on_allocate, self._finish_oldest)
         self._fresh = {u.index: True for u in self.units}
         self._bufs: dict[int, torch.Tensor] = {}
