@@ -6,6 +6,8 @@ and the stages never import it.
 """
 from __future__ import annotations
 
+import logging
+
 from zero_core.checkpoint import resume
 from zero_core.config import parse_config
 from zero_core.data import resumable_loader
@@ -14,9 +16,12 @@ from zero_core.runtime.agreement import check_ranks_agree
 from zero_core.runtime.context import init_distributed
 from zero_core.runtime.failures import install_failure_report
 from zero_core.runtime.launch import discover, single_process_notice
+from zero_core.engine.compile import unwrap_compiled
 from zero_core.engine.core import ZeroEngine
 from zero_core.stage0to2.parts import Stage0to2Parts
 from zero_core.stage3.parts import Stage3Parts
+
+log = logging.getLogger("zero_core.engine")
 
 #: zero_optimization.stage -> what that stage contributes to the engine (engine/contract.py)
 STAGE_PARTS = {0: Stage0to2Parts, 1: Stage0to2Parts, 2: Stage0to2Parts, 3: Stage3Parts}
@@ -35,6 +40,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     install_failure_report()  # first: a config error below is printed once per job, too
     if model is None:
         raise ConfigError("initialize() needs model=<torch.nn.Module>")
+    model, compiled_before = unwrap_compiled(model)
     if config is None:
         config = config_params
     if config is None and args is not None:
@@ -61,6 +67,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     engine = ZeroEngine(model, cfg, runtime, STAGE_PARTS[cfg.zero_optimization.stage],
                         optimizer=optimizer, model_parameters=model_parameters,
                         lr_scheduler=lr_scheduler)
+    if compiled_before:
+        if engine.global_rank == 0:
+            log.warning("zero-core: the model was torch.compile'd before initialize(): the "
+                        "engine compiles its blocks instead (engine.compile(), backend "
+                        "'inductor'); for another backend or options pass the plain model "
+                        "and call engine.compile(backend=..., compile_kwargs=...)")
+        engine.compile()
     loader = None
     if training_data is not None:  # DeepSpeed's deepspeed_io: a loader that resumes
         loader = resumable_loader(training_data, engine, collate_fn)

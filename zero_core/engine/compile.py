@@ -87,6 +87,21 @@ def compile_engine(engine, backend="inductor", compile_kwargs: dict | None = Non
                  ", ".join(kinds), backend)
 
 
+def unwrap_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+    """``(module, was_compiled)``: the module inside a ``torch.compile`` wrapper, or *model*.
+
+    ``initialize(model=torch.compile(m))`` would trace the whole model — at stage 3 with its
+    gather hooks, which dynamo cannot trace (it fails in the first forward). The engine takes
+    the plain module and :func:`compile_engine` compiles its blocks instead, as the
+    Lightning strategy does for ``trainer.fit(torch.compile(module))``. The wrapper's
+    backend and options cannot be read back from it (torch keeps them inside a callback),
+    so the blocks compile with the defaults; the notice says how to choose them.
+    """
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return model._orig_mod, True
+    return model, False
+
+
 def _keep_hooks_eager(model: torch.nn.Module) -> None:
     """Exclude stage 3's module hooks from tracing: they gather and release parameters
     (collectives, bookkeeping) and must run as Python, between compiled regions."""
