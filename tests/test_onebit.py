@@ -500,6 +500,8 @@ def test_resume_is_exact_and_another_world_size_resets_the_errors(tmp_path):
     for r in res:
         for kind, out in r.report["resume"].items():
             assert out["at_save"]["errors"] > 0 and out["loaded_errors"] == out["at_save"]["errors"]
+            assert out["at_save"]["rank_tensors"], (kind, r.rank)   # in the rank's own shard
+            assert out["at_save"]["common_bytes"] < out["at_save"]["error_bytes"], kind
             assert out["resumed"] == out["uninterrupted"], (kind, r.rank)
             assert out["errors_zeroed"] != out["uninterrupted"], kind
             if kind == "ZeroOneAdam":

@@ -28,6 +28,8 @@ import sys
 
 import torch
 
+from zero_core.checkpoint import store
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from optim_train import MICRO, batch, loss_of, make_net  # noqa: E402
 
@@ -193,6 +195,13 @@ def resume(seed: int, kind: str, directory: str) -> dict:
     _run(a, seed, 0, save_at)
     at_save = {"errors": _errors(a), "lrs": list(getattr(a.optimizer, "_lrs", []))}
     a.save_checkpoint(directory, tag=kind)
+    # each rank's errors are in its own shard; common.pt (rank 0's) holds none of them
+    tag_dir = os.path.join(directory, kind)
+    with store.SafetensorsReader(os.path.join(tag_dir, store.shard_name(a.global_rank))) as r:
+        at_save["rank_tensors"] = sorted(n for n in r.tensors if n.startswith("optim."))
+    at_save["common_bytes"] = os.path.getsize(os.path.join(tag_dir, store.COMMON))
+    at_save["error_bytes"] = sum(4 * t.numel() for c in a.optimizer._error_compressors()
+                                 for t in (c.worker_error, c.server_error))
     out = {"at_save": at_save, "uninterrupted": _run(a, seed, save_at, total)}
     a.destroy()
     for name in ("resumed", "errors_zeroed", "lrs_zeroed"):

@@ -14,10 +14,13 @@ The procedures see the engine only through its
 DeepSpeed ZeRO checkpoints are recognized and handed to deepspeed_resume.py.
 
 Per rank, the shard also holds the rank's RNG states (torch CPU generator, the
-accelerator's, Python's ``random``, numpy's global generator); rank 0's shard holds the
+accelerator's, Python's ``random``, numpy's global generator) and the optimizer's per-rank
+tensors (``optim.*``: ``rank_checkpoint_tensors``, the 1-bit optimizers' error feedback —
+kept with their rank so that no file grows with the world size); rank 0's shard holds the
 module's buffers; rank 0 writes ``common.pt`` (step counters, optimizer hyperparameters and
 step counts, LR scheduler, loss scaler, client_state). RNG states are restored only when
-the world size is unchanged (a different number of ranks cannot continue the same streams).
+the world size is unchanged (a different number of ranks cannot continue the same streams),
+and so are the optimizer's per-rank tensors (on another world size it is given None).
 """
 from __future__ import annotations
 
@@ -82,6 +85,8 @@ def restore_rng(reader: store.SafetensorsReader, device: torch.device) -> None:
 
 
 # ---- plain data (weights_only-loadable) --------------------------------------------------------
+#: the prefix of the optimizer's per-rank tensors in a rank's shard (rank_checkpoint_tensors)
+RANK_PREFIX = "optim."
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
 
 
@@ -185,6 +190,11 @@ class RankState:
                 records.append([f.name, f.start, f.end, keys])
         self.index = {"file": store.shard_name(self.rank), "fragments": records}
         self.rng_tensors, self.rng_plain = capture_rng(subject.device)
+        # the optimizer's per-rank state (1-bit error feedback), host copies taken now
+        opt = subject.optimizer
+        self.rank_tensors = {RANK_PREFIX + k: t.detach().to("cpu", copy=True)
+                             for k, t in (opt.rank_checkpoint_tensors().items()
+                                          if hasattr(opt, "rank_checkpoint_tensors") else ())}
         self.buffers: dict[str, torch.Tensor] = {}
         self.common = b""
         self.metadata: dict = {}
@@ -248,7 +258,7 @@ class RankState:
                                lambda views=views: iter(views))
                    for col, views in self.columns.items()]
         entries += [TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: [t])
-                    for name, t in self.rng_tensors.items()]
+                    for name, t in {**self.rng_tensors, **self.rank_tensors}.items()]
         entries += [TensorEntry("buffer." + n, t.dtype, tuple(t.shape), lambda t=t: [t])
                     for n, t in self.buffers.items()]
         name = store.shard_name(self.rank)
@@ -398,7 +408,7 @@ def load_checkpoint(subject, load_dir: str, tag=None, load_optimizer_states: boo
     states = load_optimizer_states and not load_module_only
     same_world = int(meta["world_size"]) == subject.world_size
     error: Exception | None = None
-    common = None
+    common = rank_tensors = None   # rank_tensors: read only from this rank's own shard
     try:
         wanted = subject.fragments("load")
         plan = plan_reads(wanted, fragment_index(meta), lambda k: k in WEIGHT_KEYS or states, where)
@@ -416,6 +426,8 @@ def load_checkpoint(subject, load_dir: str, tag=None, load_optimizer_states: boo
                             reader.read_into("buffer." + n, 0, named_buffers[n])
                 if file == rng_file:
                     rng_reader_path = reader.path  # restored last, after the collectives
+                    rank_tensors = {n[len(RANK_PREFIX):]: reader.read_tensor(n)
+                                    for n in reader.tensors if n.startswith(RANK_PREFIX)}
         common = store.load_plain(tag_dir, meta.get("common", store.COMMON), meta)
         if not isinstance(common, dict):
             raise CheckpointError(f"{os.path.join(tag_dir, store.COMMON)} is not a dict")
@@ -425,6 +437,7 @@ def load_checkpoint(subject, load_dir: str, tag=None, load_optimizer_states: boo
     subject.restored()
     if not load_module_only:
         _restore_common(subject, common, states, load_lr_scheduler_states, tag_dir,
+                        rank_tensors,
                         (meta.get("batch") or {}).get("gradient_accumulation_steps"))
         if rng_file:
             with store.SafetensorsReader(rng_reader_path) as reader:
@@ -433,6 +446,7 @@ def load_checkpoint(subject, load_dir: str, tag=None, load_optimizer_states: boo
 
 
 def _restore_common(subject, common: dict, states: bool, scheduler: bool, tag_dir: str,
+                    rank_tensors: dict | None,
                     saved_accumulation: int | None = None) -> None:
     micro_steps = int(common["micro_steps"])
     if saved_accumulation not in (None, subject.gradient_accumulation_steps):
@@ -454,6 +468,8 @@ def _restore_common(subject, common: dict, states: bool, scheduler: bool, tag_di
             opt.step_counts[:] = counts
         if hasattr(opt, "load_checkpoint_extra"):  # after the fragments were read
             opt.load_checkpoint_extra(common["optimizer"].get("extra"))
+        if hasattr(opt, "load_rank_checkpoint_tensors"):  # None: saved on another world size
+            opt.load_rank_checkpoint_tensors(rank_tensors)
     if scheduler and common.get("lr_scheduler") is not None and subject.lr_scheduler is not None:
         subject.lr_scheduler.load_state_dict(common["lr_scheduler"])
     if common.get("loss_scaler") is not None and subject.loss_scaler is not None:

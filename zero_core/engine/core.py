@@ -516,8 +516,6 @@ class ZeroEngine(torch.nn.Module):
         if tag is not None:  # the default tag comes from global_steps, equal on every rank
             tag = validate_tag(self.comm, str(tag), self.config.checkpoint.tag_validation)
         in_background = self.config.checkpoint.async_save if async_save is None else async_save
-        if self.optimizer is not None:
-            self.optimizer.before_checkpoint_save()  # a collective (optim/onebit.py)
         final = save_checkpoint(self.checkpoint_subject(), save_dir, tag, client_state,
                                 save_latest, self._saves.background if in_background else None)
         self._saves.saved(committed=not in_background)

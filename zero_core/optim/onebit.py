@@ -38,11 +38,11 @@ read) is not supported.
 
 Checkpoints (DeepSpeed's ``load_state_dict`` drops the errors and 0/1 Adam's lrs; here they
 resume): ``common.pt``'s ``optimizer.extra["onebit"]`` holds the rank-identical counters (0/1
-Adam's lrs, 1-bit LAMB's coefficients and scaling) and every rank's own state — its worker
+Adam's lrs, 1-bit LAMB's coefficients and scaling); every rank's own state — its worker
 and server errors, and in 0/1 Adam's local-step phase its own weights, momentum and
-accumulator (the shards hold a mixture of the ranks' chunks there) — brought to rank 0 by
-:meth:`_OneBitBase.before_checkpoint_save`, a collective the engine runs before a save (n
-copies: about n x 1.3 x the model's fp32 size, 4x in the local phase). Same world size:
+accumulator (the shards hold a mixture of the ranks' chunks there) — goes into that rank's
+own shard (:meth:`_OneBitBase.rank_checkpoint_tensors`; about 1.3x the model's fp32 size
+per rank, 4x in the local phase), so no file grows with the world size. Same world size:
 restored, train N, save, train M equals load, train M bit for bit (tests/test_onebit.py);
 another: the chunks no longer map, the errors restart from zero with a warning.
 """
@@ -154,40 +154,36 @@ class _OneBitBase(PartitionedOptimizer):
         """What differs between the ranks: the worker and server errors."""
         return [t for c in self._error_compressors() for t in (c.worker_error, c.server_error)]
 
-    def before_checkpoint_save(self) -> None:
-        """Collective, every rank, before a save (engine.save_checkpoint): every rank's
-        :meth:`_rank_state` to rank 0 (one broadcast per rank), for :meth:`checkpoint_extra`."""
-        bufs, self._gathered = self._rank_state(), None
-        if not bufs or self.world_size == 1:
-            return
-        mine, kept, rank = torch.cat([b.reshape(-1) for b in bufs]), [], self.comm.rank
-        for r in range(self.world_size):
-            x = mine if r == rank else torch.empty_like(mine)
-            self.comm.broadcast(x, src=r)
-            kept += [x.cpu()] if rank == 0 else []
-        self._gathered = kept or None
+    def rank_checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's :meth:`_rank_state`, for its own shard of a checkpoint."""
+        return {f"onebit.{i}": t for i, t in enumerate(self._rank_state())}
 
     def checkpoint_extra(self) -> dict:
-        """Rank 0, into ``common.pt``: the counters and the rank states gathered before."""
-        gathered, self._gathered = getattr(self, "_gathered", None), None
+        """Rank 0, into ``common.pt``: the rank-identical counters."""
         return {"onebit": {"kind": self.NAME, "world_size": self.world_size,
-                           "per_rank": gathered, **self._counters()}}
+                           **self._counters()}}
 
     def load_checkpoint_extra(self, extra) -> None:
-        """Every rank, after a load with optimizer states: the counters, and this rank's
-        state when saved on this world size (else zero errors, with a warning)."""
+        """Every rank, after a load with optimizer states: the counters."""
         saved = (extra or {}).get("onebit") or {}
+        self._saved = (saved.get("kind"), saved.get("world_size"))
         self._restore_counters(saved)
-        bufs, errors, n = self._rank_state(), saved.get("per_rank"), self.world_size
-        if not bufs or n == 1:
+
+    def load_rank_checkpoint_tensors(self, tensors) -> None:
+        """This rank's state when saved on this world size (else zero errors, a warning)."""
+        bufs = self._rank_state()
+        if not bufs or self.world_size == 1:
             return
+        mine = [(tensors or {}).get(f"onebit.{i}") for i in range(len(bufs))]
+        kind, saved_on = self._saved
         why = ("the checkpoint holds no 1-bit error feedback (saved by another optimizer)"
-               if not errors else
-               f"it was saved on {saved.get('world_size')} ranks and is loaded on {n}: each "
-               f"rank's worker and server errors belong to its chunks of the 1-bit all-reduce, "
-               f"which no longer map" if int(saved.get("world_size", -1)) != n else
-               "its per-rank state has another size" if errors[self.comm.rank].numel() !=
-               sum(b.numel() for b in bufs) else None)
+               if kind is None else
+               f"it was saved on {saved_on} ranks and is loaded on {self.world_size}: each "
+               f"rank's worker and server errors belong to its chunks of the 1-bit "
+               f"all-reduce, which no longer map" if tensors is None else
+               "its per-rank state has another size"
+               if any(t is None or t.numel() != b.numel() for t, b in zip(mine, bufs))
+               else None)
         if why is not None:
             self.reset_errors()
             if self.comm.rank == 0:
@@ -195,8 +191,7 @@ class _OneBitBase(PartitionedOptimizer):
                             "DeepSpeed's load does), so the next steps differ from an "
                             "uninterrupted run", self.NAME, why)
             return
-        torch._foreach_copy_(bufs, [x.view_as(b) for x, b in zip(
-            errors[self.comm.rank].split([b.numel() for b in bufs]), bufs)])
+        torch._foreach_copy_(bufs, [t.view_as(b) for t, b in zip(mine, bufs)])
         for gb in filter(None, self.buffers):
             self._publish(gb)
 

@@ -129,9 +129,16 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """Told by ``initialize(training_data=)``: optimizer steps per epoch (ZenFlow's
         epoch-based column selection: offload/zenflow.py)."""
 
-    def before_checkpoint_save(self) -> None:
-        """A collective every rank runs before a save's state is read (the 1-bit optimizers
-        bring each rank's error buffers to rank 0 here: optim/onebit.py)."""
+    def rank_checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """State that differs between the ranks and that the flat states do not hold (the
+        1-bit optimizers' error feedback: optim/onebit.py), written into this rank's own
+        shard of a checkpoint beside its RNG states (host copies taken at the save)."""
+        return {}
+
+    def load_rank_checkpoint_tensors(self, tensors: dict | None) -> None:
+        """Given back what :meth:`rank_checkpoint_tensors` saved, after
+        :meth:`load_checkpoint_extra`; None when the checkpoint was saved on another world
+        size (the ranks' states no longer map) or holds no rank state of this rank."""
 
     def checkpoint_extra(self) -> dict | None:
         """State of this optimizer's own that the flat states do not hold, kept in the
