@@ -232,6 +232,8 @@ for _name, _value in (("topk_ratio", 0.3), ("select_strategy", "step"), ("select
                       ("full_warm_up_rounds", 3),
                       ("pt_reserved_cores_perc", 0.25)):
     PROBES[f"zero_optimization.zenflow.{_name}"] = (_ZENFLOW, _value)
+PROBES["zero_optimization.zenflow.auto_ratio"] = (   # acts with update_interval "auto"
+    {"zero_optimization": {**_ZENFLOW["zero_optimization"], "zenflow": {}}}, 0.5)
 
 _OFFLOAD3 = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
 PROBES["zero_optimization.offload_optimizer.ratio"] = (_OFFLOAD3, 0.5)

@@ -155,12 +155,58 @@ def test_write_back_reaches_the_device_part():
     same(a, b)
 
 
+def nvme(cfg, path):
+    """*cfg* with the optimizer states in swap files under *path*."""
+    cfg = {**cfg, "zero_optimization": dict(cfg["zero_optimization"])}
+    off = cfg["zero_optimization"]["offload_optimizer"] = dict(
+        cfg["zero_optimization"]["offload_optimizer"])
+    path.mkdir(parents=True, exist_ok=True)
+    off.update(device="nvme", nvme_path=str(path), buffer_count=3)
+    return cfg
+
+
+@pytest.mark.parametrize("stage,precision", [(3, "bf16"), (2, "fp32")])
+def test_nvme_split_equals_plain_nvme(stage, precision, tmp_path):
+    """The host part in swap files: the numbers of plain NVMe offload (and of no offload);
+    the device sub-groups are left out of the swap stream."""
+    _, plain = train(nvme(config(stage, 1.0, precision), tmp_path))
+    _, ref = train(config(stage, None, precision))
+    eng, half = train(nvme(config(stage, 0.5, precision), tmp_path))
+    rep = eng.memory_report()["offload"]
+    assert rep["device"] == "nvme" and rep["bytes_read"] > 0
+    assert rep["device_subgroups"] == rep["subgroups"] // 2 >= 2, rep
+    assert [tuple(k) for k in eng.optimizer.store._order] == [
+        (sg.group, sg.index) for sg in eng.optimizer.subgroups[rep["device_subgroups"]:]]
+    same(half, plain)
+    same(half, ref)
+
+
+def test_nvme_split_checkpoint_and_write_back(tmp_path):
+    """Saved from swap files + device, loaded into cpu offload and into another NVMe split:
+    the same continuation; a stage-3 write-back reaches the swap files and the device part."""
+    from zero_core.stage3 import GatheredParameters
+    eng, _ = train(nvme(config(3, 0.5), tmp_path / "swap"), steps=2)
+    ref, _ = train(config(3, None), steps=2)
+    eng.save_checkpoint(str(tmp_path / "ck"), tag="t")
+    _, cont = train(None, engine=eng, steps=2, start=2)
+    _, cont_ref = train(None, engine=ref, steps=2, start=2)
+    same(cont, cont_ref)
+    for cfg in (config(3, 1.0), nvme(config(3, 0.25), tmp_path / "swap2")):
+        e2, *_ = zero_core.initialize(model=Net(99), config=cfg)
+        e2.load_checkpoint(str(tmp_path / "ck"), tag="t")
+        _, again = train(None, engine=e2, steps=2, start=2)
+        same(again, cont)
+    for e in (eng, ref):
+        with GatheredParameters(list(e.module.parameters()), modifier_rank=0):
+            with torch.no_grad():
+                for p in e.module.parameters():
+                    p.mul_(0.5)
+    _, a = train(None, engine=eng, steps=2, start=4)
+    _, b = train(None, engine=ref, steps=2, start=4)
+    same(a, b)
+
+
 def test_refusals():
-    with pytest.raises(ConfigError, match="offload_optimizer.ratio"):
-        zero_core.initialize(model=Net(1), config={
-            **config(3, 0.5), "zero_optimization": {
-                "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp",
-                                                  "ratio": 0.5}}})
     with pytest.raises(ConfigError, match="offload_optimizer.ratio"):
         zero_core.initialize(model=Net(1), config=config(3, 1.5))
 
@@ -181,7 +227,8 @@ def test_on_vdev_bit_identical_and_split_where_it_belongs():
 
 
 RANK_VARIANTS = {"none": dict(ratio=None), "r05": dict(ratio=0.5),
-                 "r05s": dict(ratio=0.5, extra={"super_offload": True})}
+                 "r05s": dict(ratio=0.5, extra={"super_offload": True}),
+                 "r05sn": dict(ratio=0.5, extra={"super_offload": True}, nvme=True)}
 
 
 @pytest.mark.multirank
@@ -197,12 +244,14 @@ def test_two_ranks_and_resharded_resume(stage, tmp_path):
                 for v in RANK_VARIANTS}
         same(hist["r05"], hist["none"])
         same(hist["r05s"], hist["none"])
+        same(hist["r05sn"], hist["none"])
     after = {}
-    for v in ("none", "r05s"):
+    for v in ("none", "r05s", "r05sn"):
         eng, *_ = zero_core.initialize(model=Net(7), config=config(stage, None, "bf16"))
         eng.load_checkpoint(str(tmp_path / v), tag="t")
         _, after[v] = train(None, engine=eng, steps=1, start=3)
     same(after["r05s"], after["none"])
+    same(after["r05sn"], after["none"])
 
 
 def _rank_main(mode: str, *args) -> None:
@@ -213,8 +262,11 @@ def _rank_main(mode: str, *args) -> None:
         rank, stage, scratch = discover().rank, int(args[0]), args[1]
         out = {}
         for v, kw in RANK_VARIANTS.items():
-            eng, hist = train(config(stage, kw["ratio"], "bf16", clip=1.0, extra=kw.get("extra")),
-                              steps=3, boost=1, rank=rank)
+            cfg = config(stage, kw["ratio"], "bf16", clip=1.0, extra=kw.get("extra"))
+            if kw.get("nvme"):
+                import pathlib
+                cfg = nvme(cfg, pathlib.Path(scratch) / "swap")
+            eng, hist = train(cfg, steps=3, boost=1, rank=rank)
             eng.save_checkpoint(f"{scratch}/{v}", tag="t")
             out[v] = [{n: x.tolist() for n, x in h.items()} for h in hist]
             eng.destroy()

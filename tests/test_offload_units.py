@@ -159,8 +159,6 @@ def test_offload_config_keys():
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, ("stage", ">= 1")),
     ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, ("nvme_path",)),
     ({"stage": 2, "offload_optimizer": {"device": "disk"}}, ("'none', 'cpu', 'nvme'",)),
-    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "ratio": 0.3}},
-     ("offload_optimizer.ratio", "'cpu' only")),
     ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.2}}, ("ratio",)),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 2}}, ("buffer_count",)),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "bogus": 1}}, ("bogus",)),

@@ -11,7 +11,8 @@ for bit (the bound of the docstring). The overlap test holds the worker at a gat
 returns while the host update has not run, and its result reaches the parameters at the
 next host boundary, not before. Checkpoints: a run saved after N steps (mid-window, with a
 host update in flight, in the warm-up; sync and async; 1 -> 2 -> 1 ranks) and resumed in a
-fresh engine equals the run that saved it, bit for bit.
+fresh engine equals the run that saved it, bit for bit. update_interval "auto": the engine
+against the rule in float64, the rule against DeepSpeed's own decisions (fixture), resume.
 
 Run as a script, this file is the 2-rank worker (``run_ranks``).
 """
@@ -46,9 +47,13 @@ class Linear(torch.nn.Module):
         return sum((getattr(self, n) * x[0]).sum() for n, x in zip(SHAPES, xs))
 
 
-def step_inputs(seed: int, step: int, rank: int):
+def step_inputs(seed: int, step: int, rank: int, cols: bool = False):
+    """*cols*: the columns of 2-D inputs scaled from 6.3 down to 0.05 (heavy columns stay
+    heavy, so update_interval "auto" keeps windows of several steps)."""
     g = torch.Generator().manual_seed(seed * 1000 + step * 10 + rank)
-    return [torch.randn((1,) + s, generator=g) for s in SHAPES.values()]
+    xs = [torch.randn((1,) + s, generator=g) for s in SHAPES.values()]
+    return [x * torch.logspace(0.8, -1.3, x.shape[-1]) if cols and x.dim() == 3 else x
+            for x in xs]
 
 
 def config(zf: dict | None, stage: int = 2, accelerator: str | None = None,
@@ -68,12 +73,12 @@ def config(zf: dict | None, stage: int = 2, accelerator: str | None = None,
     return cfg
 
 
-def train(zf, steps, seed, stage=2, accelerator=None, world=1, rank=0, bf16=False):
+def train(zf, steps, seed, stage=2, accelerator=None, world=1, rank=0, bf16=False, cols=False):
     engine, *_ = zero_core.initialize(model=Linear(seed),
                                       config=config(zf, stage, accelerator, bf16))
     history = []
     for t in range(1, steps + 1):
-        loss = engine(*step_inputs(seed, t, rank))
+        loss = engine(*step_inputs(seed, t, rank, cols))
         engine.backward(loss)
         engine.step()
         history.append({n: p.detach().cpu().double().clone()
@@ -91,11 +96,15 @@ def adam(p, g, m, v, step):
 
 
 def reference(zf: dict, steps: int, seed: int, world: int = 1, steps_per_epoch: int = 0,
-              grad_dtype=torch.float64, flush: bool = False):
+              grad_dtype=torch.float64, flush: bool = False, cols: bool = False,
+              fired: list | None = None):
     """The rules of zero_core/offload/zenflow.py's docstring, in float64 on whole tensors
     (*grad_dtype*: the gradients as the engine's parameters hold them; *flush*: one more
-    entry, the parameters after the host update in flight is applied)."""
-    U, W = zf["update_interval"], zf.get("full_warm_up_rounds", 0)
+    entry, the parameters after the host update in flight is applied; *fired*: gets the
+    steps after the warm-up with a host update; update_interval "auto": the rule of
+    offload/zenflow_auto.py's docstring)."""
+    U, W = zf.get("update_interval", "auto"), zf.get("full_warm_up_rounds", 0)
+    auto_ratio, non, avg, scaled = zf.get("auto_ratio", 0.99), {}, {}, cols
     strategy = zf.get("select_strategy", "auto")
     S = zf["select_interval"] if strategy == "step" else (
         steps_per_epoch * (1 if strategy == "auto" else zf["select_interval"]))
@@ -116,7 +125,7 @@ def reference(zf: dict, steps: int, seed: int, world: int = 1, steps_per_epoch: 
                 P[n][mask[n]] = w[n]
 
     for t in range(1, steps + 1):
-        xs = [step_inputs(seed, t, r) for r in range(world)]
+        xs = [step_inputs(seed, t, r, scaled) for r in range(world)]
         G = {n: sum(x[i].to(grad_dtype).double()[0] for x in xs)
              / world for i, n in enumerate(P)}
         if t <= W:
@@ -144,7 +153,20 @@ def reference(zf: dict, steps: int, seed: int, world: int = 1, steps_per_epoch: 
             P[n][mask[n]] = w[n]
             acc[n] += G[n]
         window += 1
-        if (t - W) % U == 0 or (S > 0 and t % S == 0):
+        if U == "auto":
+            k, need = ratio, 0
+            for n in (n for n in P if P[n].dim() == 2):
+                c = G[n][mask[n]].abs().sum().item()
+                avg[n] = (avg.get(n, 0.0) * (window - 1) + c) / window / (10 * k)
+                non[n] = non.get(n, 0.0) + (G[n].abs().sum().item() - c) / (10 * (1 - k))
+                need += non[n] >= avg[n]
+            due = need >= int(auto_ratio * len(avg))
+        else:
+            due = (t - W) % U == 0
+        if due or (S > 0 and t % S == 0):
+            non = {}
+            if fired is not None:
+                fired.append(t)
             if overlap and pending:
                 apply()
             for n in P:
@@ -279,15 +301,13 @@ def test_worker_cores_split():
 
 
 @pytest.mark.parametrize("zf, stage, key", [
-    ({"update_interval": "auto"}, 2, "update_interval"),
-    ({}, 2, "update_interval"),                        # DeepSpeed's default is "auto"
-    ({"update_interval": 2, "auto_ratio": 0.5}, 2, "auto_ratio"),
+    ({"update_interval": "every"}, 2, "update_interval"),
+    ({"auto_ratio": 1.5}, 2, "auto_ratio"),
     ({"update_interval": 2, "topk_ratio": 1.0}, 2, "topk_ratio"),
     ({"update_interval": 4, "select_strategy": "step", "select_interval": 2}, 2, "select_interval"),
     ({"update_interval": 2, "select_interval": 3}, 2, "select_interval"),
     ({"update_interval": 2, "select_strategy": "step"}, 2, "select_interval"),
     ({"update_interval": 2, "topk": 0.1}, 2, "topk"),
-    ({"update_interval": 2}, 3, "zero_optimization.zenflow"),
 ])
 def test_refusals_name_the_key(zf, stage, key):
     cfg = config(zf, stage)
@@ -305,11 +325,11 @@ def test_needs_cpu_offload():
         zero_core.config.parse_config(cfg)
 
 
-def run_steps(engine, seed, first, last, rank=0):
+def run_steps(engine, seed, first, last, rank=0, cols=False):
     """Steps *first*..*last* (inputs of that step number); the parameters after each."""
     out = []
     for t in range(first, last + 1):
-        engine.backward(engine(*step_inputs(seed, t, rank)))
+        engine.backward(engine(*step_inputs(seed, t, rank, cols)))
         engine.step()
         out.append({n: p.detach().cpu().double().clone()
                     for n, p in engine.module.named_parameters()})
@@ -443,16 +463,100 @@ def test_on_vdev_equal_to_cpu_and_states_where_they_belong():
 @pytest.mark.multirank
 def test_two_ranks_follow_the_rules():
     """Stages 1 and 2 on 2 ranks (one launch): partitions split rows of a weight, the column
-    sums are all-reduced, every rank keeps the same parameters."""
+    sums are all-reduced, every rank keeps the same parameters; update_interval "auto" at
+    stage 2 (the rule's sums all-reduced too)."""
     from zero_core.testing.ranks import run_ranks
     results = run_ranks(__file__, 2, "torchrun", args=["ranks"],
                         env={"ZERO_CORE_COMM": "gloo"}, timeout=300)
     want = reference(CASES["overlap_reselect_offload"], 9, seed=4, world=2)
+    auto = reference(AUTO["overlap_reselect"], 9, seed=4, world=2, cols=True)
     for r in results:
-        for stage in ("1", "2"):
-            got = [{n: torch.tensor(v, dtype=torch.float64).reshape(want[0][n].shape)
+        for stage, ref in (("1", want), ("2", want), ("auto", auto)):
+            got = [{n: torch.tensor(v, dtype=torch.float64).reshape(ref[0][n].shape)
                     for n, v in h.items()} for h in r.report[stage]]
-            assert_close(got, want)
+            assert_close(got, ref)
+
+
+# ---- update_interval "auto" (offload/zenflow_auto.py) ---------------------------------------
+AUTO = {"plain": {"topk_ratio": 0.3}, "overlap_reselect": {
+    "topk_ratio": 0.25, "auto_ratio": 1.0, "overlap_step": True, "select_strategy": "step",
+    "select_interval": 7, "full_warm_up_rounds": 1}}
+FIXTURE = "deepspeed_zenflow_auto.json"   # ci/tools/make_zenflow_auto_fixture.py
+
+
+@pytest.mark.parametrize("case", sorted(AUTO))
+def test_auto_follows_the_float64_rules(case):
+    """The engine's parameters every step equal the float64 model's, whose host updates fire
+    where the rule says (windows of unequal lengths: the rule, not a fixed interval)."""
+    zf, fired = AUTO[case], []
+    engine, got = train(zf, 13, seed=7, cols=True)
+    want = reference(zf, 13, seed=7, cols=True, fired=fired)
+    assert_close(got, want)
+    gaps = {b - a for a, b in zip(fired, fired[1:])}
+    assert len(gaps) > 1 and max(gaps) > 2, fired
+    if not zf.get("overlap_step"):
+        assert [w for w, _ in engine.optimizer.stats["applied"]] == fired
+    with pytest.raises(AssertionError, match="off by"):   # a wrong threshold is told apart
+        assert_close(got, reference({**zf, "auto_ratio": 0.3 if "auto_ratio" in zf else 1.0},
+                                    13, seed=7, cols=True))
+    engine.destroy()
+
+
+def test_auto_decisions_equal_deepspeeds():
+    """DeepSpeed 0.19.8's own auto runs (ci/tools/make_zenflow_auto_fixture.py): fed the sums
+    DeepSpeed computed, with its windows, the rule decides as DeepSpeed did on every step;
+    DeepSpeed as released fires only at reselections (config/zenflow_section.py)."""
+    import json
+    import types
+    from zero_core.offload.zenflow_auto import AutoInterval
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", FIXTURE)) as fh:
+        fixture = json.load(fh)
+    assert fixture["unpatched_first_grad_finite"] is False   # loss ÷ update_interval 0
+    zf, decided = fixture["zenflow"], 0
+    for name, case in fixture["cases"].items():
+        rule = AutoInterval(types.SimpleNamespace(buffers=[types.SimpleNamespace(
+            params=[torch.zeros(1, 1)] * case["num_2d_weights"])]), zf["topk_ratio"],
+            zf["auto_ratio"])
+        for t, st in enumerate(case["steps"], 1):
+            if st["window_step"] == 1:
+                rule.restart()
+            ws = [st["weights"][k] for k in sorted(st["weights"])]
+            due = rule.decide(st["window_step"], [w["total"] for w in ws],
+                              [w["critic"] for w in ws])
+            assert due == st["flag"], (name, t)
+            assert sum(a >= b for a, b in zip(rule.non, rule.avg)) == st["num_need_update"]
+            for mine, w in zip(zip(rule.non, rule.avg), ws):   # DeepSpeed's non sum is bf16
+                assert mine == pytest.approx((w["non_critic_sum"], w["avg_critic_sum"]),
+                                             rel=2e-2)
+            decided += due
+        fires = [t for t, st in enumerate(case["steps"], 1) if st["boundary"]]
+        flags = [t for t, st in enumerate(case["steps"], 1) if st["flag"]]
+        if name.startswith("observed"):   # raised, never read: only the reselections fire
+            assert fires == [7, 14] and len(flags) == 14
+        else:                             # repaired: one step late, so in pairs
+            assert set(fires) == {t + 1 for t in flags if t < 14} | {7, 14}
+    assert decided > 30
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_auto_resume_equals_the_uninterrupted_run(tmp_path, overlap):
+    """Saved mid-window (the rule's sums not zero) and resumed in a fresh engine: bit for
+    bit; the check fails when the load forgets the rule's sums."""
+    zf, seed, saved_at, more = {**AUTO["plain"], "overlap_step": overlap}, 12, 5, 6
+    engine, _ = train(zf, saved_at, seed=seed, cols=True)
+    assert engine.optimizer._window > 0 and any(engine.optimizer.auto.non)
+    engine.save_checkpoint(str(tmp_path), tag="ck")
+    want = run_steps(engine, seed, saved_at + 1, saved_at + more, cols=True)
+    engine.destroy()
+    for forget in (False, True):
+        fresh, *_ = zero_core.initialize(model=Linear(seed + 1), config=config(zf))
+        fresh.load_checkpoint(str(tmp_path), tag="ck")
+        if forget:
+            fresh.optimizer.auto.restart()
+        got = run_steps(fresh, seed, saved_at + 1, saved_at + more, cols=True)
+        same = all(torch.equal(a[n], b[n]) for a, b in zip(got, want) for n in a)
+        assert same != forget
+        fresh.destroy()
 
 
 def _rank_main(mode: str) -> None:
@@ -483,6 +587,9 @@ def _rank_main(mode: str) -> None:
         engine, hist = train(zf, 9, seed=4, stage=stage, world=2, rank=rank)
         out[str(stage)] = [{n: v.flatten().tolist() for n, v in h.items()} for h in hist]
         engine.destroy()
+    engine, hist = train(AUTO["overlap_reselect"], 9, seed=4, world=2, rank=rank, cols=True)
+    out["auto"] = [{n: v.flatten().tolist() for n, v in h.items()} for h in hist]
+    engine.destroy()
     report(out)
 
 

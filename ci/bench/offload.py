@@ -6,7 +6,9 @@ weights and parameters offloaded to files on a local disk).
                                [--budget-gb 14] [--json out.json]
     python ci/bench/offload.py --replot docs/images/offload.json   # redraw the chart only
     ZERO_CORE_ACCELERATOR=vdev python ci/bench/offload.py --accelerations [--rounds 5]
-        # plain offload beside ratio < 1 and super_offload (accelerations())
+                                      [--accel-nvme DIR]
+        # plain offload beside ratio < 1 and super_offload (accelerations()); with
+        # --accel-nvme also the same with the states in swap files under DIR
 
 Bounded time: each mode tries an explicit, increasing list of sizes (``--stage3-sizes``,
 ``--nvme-sizes``, as LAYERSxWIDTH) and stops at the first size that does not fit; a size
@@ -142,6 +144,16 @@ ACCEL_MODES = {"plain offload": {}, "super_offload": {"super_offload": True},
                {"ratio": 0.5, "super_offload": True}}
 
 
+def accel_modes(nvme_dir) -> dict:
+    """ACCEL_MODES with device cpu, and with *nvme_dir* the same on swap files there."""
+    modes = {name: {"device": "cpu", **extra} for name, extra in ACCEL_MODES.items()}
+    if nvme_dir:
+        os.makedirs(nvme_dir, exist_ok=True)
+        modes.update({f"nvme: {name}": {"device": "nvme", "nvme_path": nvme_dir, **extra}
+                      for name, extra in ACCEL_MODES.items()})
+    return modes
+
+
 def accelerations(args) -> str:
     """Plain offload beside its accelerations (offload/partial.py, offload/speculative.py):
     one process, one engine per mode built once, the modes timed in turn for
@@ -152,14 +164,14 @@ def accelerations(args) -> str:
     import zero_core
     width, layers = args.accel_width, args.accel_layers
     engines = {}
-    for name, extra in ACCEL_MODES.items():
+    for name, off in accel_modes(args.accel_nvme).items():
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
         cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
                "bf16": {"enabled": True},
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
                "zero_optimization": {"stage": 3, "sub_group_size": args.accel_sub_group,
-                                     "offload_optimizer": {"device": "cpu", **extra}}}
+                                     "offload_optimizer": off}}
         engines[name] = zero_core.initialize(model=model, config=cfg)[0]
     times = {name: [] for name in engines}
     load = [os.getloadavg()[0]]
@@ -175,7 +187,6 @@ def accelerations(args) -> str:
             if r:
                 times[name].append((time.perf_counter() - t0) / args.steps)
         load.append(os.getloadavg()[0])
-    base = statistics.median(times["plain offload"])
     device = next(iter(engines.values())).device
     lines = [f"stage 3, bf16, {layers} x Linear({width}, {width}) "
              f"({layers * (width * width + width) / 1e6:.1f} M parameters), sub_group_size "
@@ -183,12 +194,18 @@ def accelerations(args) -> str:
              f"rounds x {args.steps} steps (mode order alternating); 1-min load average {min(load):.1f}-{max(load):.1f} on "
              f"{os.cpu_count()} cores", "",
              "| mode | s/step (median) | vs plain offload | speculations accepted/redone/"
-             "rolled back |", "|---|---|---|---|"]
+             "rolled back | host steps started during backward |", "|---|---|---|---|---|"]
     for name, eng in engines.items():
         med = statistics.median(times[name])
-        c = eng.memory_report()["offload"].get("super_offload")
+        # against plain offload to the same device (cpu or nvme)
+        base = statistics.median(times["nvme: plain offload" if name.startswith("nvme")
+                                       else "plain offload"])
+        rep = eng.memory_report()["offload"]
+        c = rep.get("super_offload")
         spec = f"{c['accepted']}/{c['redone']}/{c['rolled_back']}" if c else "-"
-        lines.append(f"| {name} | {med:.4f} | {med / base:.2f}x | {spec} |")
+        early = (f"{c['started_in_backward']} of "
+                 f"{c['speculated'] * (rep['subgroups'] - rep['device_subgroups'])}" if c else "-")
+        lines.append(f"| {name} | {med:.4f} | {med / base:.2f}x | {spec} | {early} |")
     for eng in engines.values():
         eng.destroy()
     return "\n".join(lines)
@@ -202,6 +219,9 @@ def main(argv=None) -> int:
     ap.add_argument("--accel-width", type=int, default=1024)
     ap.add_argument("--accel-layers", type=int, default=4)
     ap.add_argument("--accel-sub-group", type=int, default=1 << 20)
+    ap.add_argument("--accel-nvme", default=None,
+                    help="--accelerations: also time the modes with the states in swap files "
+                         "in this directory")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)

@@ -187,7 +187,8 @@ zero_optimization.offload_param.max_in_cpu                        1e9           
 zero_optimization.zenflow.topk_ratio                              0.1           0 < r < 1: top columns on the device
 zero_optimization.zenflow.select_strategy                         "auto"        "auto" (= "epoch", 1) | "step" | "epoch"
 zero_optimization.zenflow.select_interval                         "auto"        "auto" | steps/epochs >= 0 (0: select once)
-zero_optimization.zenflow.update_interval                         "auto"        integer >= 1 ("auto" not implemented)
+zero_optimization.zenflow.update_interval                         "auto"        "auto" (auto_ratio) | integer >= 1
+zero_optimization.zenflow.auto_ratio                              0.99          0..1; "auto": share of 2-D weights due
 zero_optimization.zenflow.overlap_step                            false         bool; host update on a worker thread
 zero_optimization.zenflow.offload                                 false         bool; device moments in host memory
 zero_optimization.zenflow.full_warm_up_rounds                     0             steps of full host updates first, >= 0
@@ -355,7 +356,8 @@ SUPPORTED_KEYS: dict[str, tuple[str, ...]] = {
     "zero_optimization.offload_param": ("device", "nvme_path", "pin_memory", "buffer_count",
                                         "buffer_size", "max_in_cpu"),
     "zero_optimization.zenflow": ("topk_ratio", "select_strategy", "select_interval", "offload",
-        "update_interval", "overlap_step", "full_warm_up_rounds", "pt_reserved_cores_perc"),
+        "update_interval", "auto_ratio", "overlap_step", "full_warm_up_rounds",
+        "pt_reserved_cores_perc"),
     "data_types": ("grad_accum_dtype", "param_dtype"),
     "torch_autocast": ("enabled", "dtype", "lower_precision_safe_modules"),
     "checkpoint": ("tag_validation", "save_dir", "save_interval_steps", "save_interval_minutes",
@@ -530,9 +532,6 @@ NOT_YET_IMPLEMENTED: dict[str, dict[str, str]] = {
         "save_muon_momentum_buffer_in_memory": "the Muon optimizer",
         "leaf_module": "stage-3 leaf modules (fetching a module's whole subtree at once)",
     },
-    "zero_optimization.zenflow": {
-        "auto_ratio": "ZenFlow's adaptive update interval (update_interval \"auto\")",
-    },
     "hybrid_engine": {
         "enable_cuda_graph": "CUDA graphs for generation",
     },
@@ -575,7 +574,6 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": False,
     "zero_optimization.zeropp_loco_param": None,
     "hybrid_engine.enable_cuda_graph": False,
-    "zero_optimization.zenflow.auto_ratio": 0.99,
 }
 # Whole sections that ask for nothing when every switch in them is off: "enabled": false
 # anywhere inside, "deepcompile": false, sizes of 1 ("autotp_size": 1, "tp_size": 1); DeepSpeed

@@ -217,14 +217,14 @@ def _parse_offload(s: "_Section", stage: int) -> dict:
         raise _fail("zero_optimization.offload_optimizer.device", device,
                     "offloading the optimizer needs ZeRO stage 1, 2 or 3 (it offloads the "
                     "partitioned optimizer states); set zero_optimization.stage >= 1")
-    # ratio < 1: offload/partial.py; super_offload: offload/speculative.py (device cpu both)
+    # ratio < 1: offload/partial.py; super_offload: offload/speculative.py (cpu or nvme both)
     ratio, superoff = (sub.get("ratio", 1.0, _as_float, 0.0, 1.0),
                        sub.get("super_offload", False, _as_bool))
     cores = sub.get("cpuadam_cores_perc", 0.8, _as_float, 0.0, 1.0)
-    cpu_only = f"implemented for offload_optimizer.device 'cpu' only (got {device!r}): set it to 'cpu'"
     for key, bad, why in (
-            ("ratio", ratio != 1.0 and device == "nvme", cpu_only),
-            ("super_offload", superoff and device != "cpu", cpu_only),
+            ("super_offload", superoff and device == "none",
+             "the speculative step is the offloaded optimizer's: set offload_optimizer.device "
+             "to 'cpu' or 'nvme', or super_offload to false"),
             ("cpuadam_cores_perc", superoff and cores == 0.0,
              "super_offload's worker thread needs a share of the cores in (0, 1]")):
         if bad:

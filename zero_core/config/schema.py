@@ -193,6 +193,7 @@ class ZenFlowConfig:
     select_strategy: str = "auto"
     select_interval: int | str = "auto"
     update_interval: int | str = "auto"
+    auto_ratio: float = 0.99           # with update_interval "auto": offload/zenflow_auto.py
     overlap_step: bool = False
     offload: bool = False
     full_warm_up_rounds: int = 0

@@ -4,23 +4,34 @@ runtime/zenflow/engine.py), parsed into :class:`~zero_core.config.schema.ZenFlow
 What ZenFlow does is zero_core/offload/zenflow.py's docstring. parser.py calls
 :func:`parse_zenflow` with its ``zero_optimization`` section.
 
-Refused here, each by name: ``update_interval: "auto"`` (DeepSpeed's default: an interval
-that adapts to the unselected gradients' mass, not implemented) and ``auto_ratio`` away from
-its default (it acts only there); ZenFlow at stage 3 (DeepSpeed has it; not implemented
-here); ZenFlow without ``offload_optimizer.device: "cpu"`` (DeepSpeed: "Zenflow must be used
-with cpu offload"), or with partial offload (``ratio`` < 1) or ``super_offload``.
+Refused here, each by name: ZenFlow at stage 3 with ``offload_param`` (DeepSpeed has
+it; stage 3 itself is offload/zenflow_stage3.py); ZenFlow without
+``offload_optimizer.device: "cpu"`` (DeepSpeed: "Zenflow must be used with cpu offload"), or
+with partial offload (``ratio`` < 1) or ``super_offload``.
 
-For whoever implements ``"auto"`` (DeepSpeed 0.19.8, read, not run): per micro-step and 2-D
-weight, runtime/zenflow/zenflow_stage_1_and_2.py keeps ``avg_critic_sum = (avg × (u-1) +
-Σ|selected g|) / u / (topk_ratio × 10)`` and ``non_critic_sum += (Σ|g| - Σ|selected g|) /
-((1 - topk_ratio) × 10)`` (u: micro-steps since the last host update; Σ|g| summed in bf16);
-a weight "needs an update" when non_critic >= avg_critic, and the host update is due when
-at least int(auto_ratio × number of non-1-D weights) do. The flag lives in a two-slot array
-indexed by ``zenflow_state``, flipped by engine.py's backward after ``backward_prologue``
-cleared one slot; as read, the slot written during the backward is not the one the boundary
-test reads: run DeepSpeed's own ZenFlow in auto mode to pin the observable schedule before
-writing the float64 reference. Its per-weight sums would join the checkpoint
-(offload/zenflow.py's ``checkpoint_extra``).
+``update_interval: "auto"`` (DeepSpeed's default) with ``auto_ratio`` (0..1, default 0.99):
+the host update is due when the unselected columns' accumulated gradient mass has caught
+up with the selected columns' per-step mass in at least int(``auto_ratio`` × N) of the N
+2-D weights; the rule is offload/zenflow_auto.py's docstring. ``auto_ratio`` is accepted
+with an integer ``update_interval`` too (as by DeepSpeed) and acts only with "auto".
+
+Decision: DeepSpeed's arithmetic, fired as it is meant to be, not as DeepSpeed 0.19.8 runs.
+Its own ZenFlow in auto mode, run on this machine (ZeRO-2, cpu offload, 1 and 2 ranks over
+gloo; ci/tools/make_zenflow_auto_fixture.py), shows two faults: (1) the engine sets
+``gradient_accumulation_steps`` to the auto interval's placeholder 0 and divides every
+loss gradient by it, so all gradients are inf/NaN from the first step; (2) with that
+bypassed from outside, the two-slot "needs update" flag is raised on nearly every step, but
+the next ``backward_prologue`` clears that slot before the boundary test reads it: the
+host update fires after the warm-up only at reselection boundaries (with no loader: never;
+the unselected columns are then never updated). Matching that would make "auto" mean
+"never", so zero-core keeps what the code and DeepSpeed's docs ("Threshold used in the
+'auto' strategy to determine update_interval") intend: the rule's per-step decisions equal
+the ones DeepSpeed's own run computes on the same sums (tests/test_zenflow.py, fixture
+tests/fixtures/deepspeed_zenflow_auto.json), and a due decision fires the host update at
+the step whose gradients made it due. DeepSpeed with only the slot cleared correctly (the
+fixture's "repaired" runs) fires one step later (it must fix the boundary before the
+backward that computes the sums), and so fires again on the step after, on sums its reset
+has not reached yet: updates in pairs; zero-core's windows are not paired.
 """
 from __future__ import annotations
 
@@ -58,16 +69,12 @@ def parse_zenflow(zero, stage: int, offload) -> ZenFlowConfig | None:
         select_strategy=s.get("select_strategy", "auto", _strategy),
         select_interval=s.get("select_interval", "auto", _interval),
         update_interval=s.get("update_interval", "auto", _interval),
+        auto_ratio=s.get("auto_ratio", 0.99, _as_float, 0.0, 1.0),
         overlap_step=s.get("overlap_step", False, _as_bool),
         offload=s.get("offload", False, _as_bool),
         full_warm_up_rounds=s.get("full_warm_up_rounds", 0, _as_int, 0),
         pt_reserved_cores_perc=s.get("pt_reserved_cores_perc", 0.5, _as_float, 0.0, 1.0))
-    if cfg.update_interval == "auto":
-        raise _fail(f"{PATH}.update_interval", "auto",
-                    "DeepSpeed's adaptive update interval (its default, driven by auto_ratio) "
-                    "is not implemented yet in zero-core; give the interval as an integer "
-                    ">= 1 (DeepSpeed's tutorial uses 4)")
-    if cfg.update_interval < 1:
+    if cfg.update_interval != "auto" and cfg.update_interval < 1:
         raise _fail(f"{PATH}.update_interval", cfg.update_interval, "expected an integer >= 1")
     if cfg.select_strategy == "auto" and cfg.select_interval != "auto":
         raise _fail(f"{PATH}.select_interval", cfg.select_interval,
@@ -79,17 +86,20 @@ def parse_zenflow(zero, stage: int, offload) -> ZenFlowConfig | None:
                     f"select_strategy {cfg.select_strategy!r} needs a number of "
                     f"{cfg.select_strategy}s (an integer >= 0; 0: select once)")
     if (cfg.select_strategy == "step" and cfg.select_interval != 0
-            and cfg.select_interval < cfg.update_interval):
+            and cfg.update_interval != "auto" and cfg.select_interval < cfg.update_interval):
         raise _fail(f"{PATH}.select_interval", cfg.select_interval,
                     f"must be >= update_interval ({cfg.update_interval}): the accumulated "
                     f"gradients are applied before the columns are selected again")
-    if stage == 3:
-        raise _fail(PATH, raw, "ZenFlow at ZeRO stage 3 is not implemented yet in zero-core "
-                               "(DeepSpeed has it); use stage 1 or 2, or remove the section")
+    param_device = str((zero.raw.get("offload_param") or {}).get("device") or "none").lower()
+    if stage == 3 and param_device != "none":   # ZenFlow at stage 3: offload/zenflow_stage3.py
+        raise _fail("zero_optimization.offload_param.device", param_device,
+                    "not together with ZenFlow yet (its device step updates the selected "
+                    "elements of the device partitions; DeepSpeed has it): set it to \"none\" "
+                    "or remove the zenflow section")
     if offload.device != "cpu":
         raise _fail(PATH, raw, "ZenFlow steps the unselected columns on the host: it needs "
-                               "zero_optimization.offload_optimizer.device \"cpu\" (and so "
-                               "stage 1 or 2), as in DeepSpeed")
+                               "zero_optimization.offload_optimizer.device \"cpu\", as in "
+                               "DeepSpeed")
     for key, off in (("ratio", 1.0), ("super_offload", False)):
         if getattr(offload, key, off) != off:
             raise _fail(f"zero_optimization.offload_optimizer.{key}", getattr(offload, key),

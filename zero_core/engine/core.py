@@ -154,6 +154,9 @@ class ZeroEngine(torch.nn.Module):
         self.reducer = self.parts.build_reducer(
             gate_reduction(self.optimizer, self.is_gradient_accumulation_boundary))
         self.reducer.register_hooks()
+        self.optimizer.follow_reducer(self.reducer, lambda: (  # SuperOffload (speculative.py)
+            self.is_gradient_accumulation_boundary(), self.micro_steps, self._postscale,
+            self.loss_scaler))
         self.loss_scaler = (build_loss_scaler(config.fp16).to(self.device)
                             if config.fp16.enabled else None)
         self._nonfinite = NonFiniteGuard(config.safety.nonfinite_gradients,

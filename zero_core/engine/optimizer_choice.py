@@ -4,7 +4,8 @@ Every choice is a :class:`~zero_core.optim.partitioned.PartitionedOptimizer` or 
 so the engine talks to all of them the same way (ARCHITECTURE §4, "Which optimizer"):
 
 * ``offload_optimizer`` on (master and states in host memory or files): ZenFlow's optimizer
-  when ``zero_optimization.zenflow`` is set (offload/zenflow.py), else offload/optimizer.py's
+  when ``zero_optimization.zenflow`` is set (offload/zenflow.py; stage 3:
+  offload/zenflow_stage3.py), else offload/optimizer.py's
   (plain, partial ``ratio`` < 1, SuperOffload);
 * otherwise on the device: the 1-bit optimizers for their ``optimizer.type``
   (optim/onebit.py); over a stage-3 parameter store without ``offload_optimizer``, a
@@ -28,6 +29,9 @@ def build_optimizer(ctx, hyper_groups, rule, parts, zero_grad, comm,
     zc = ctx.config.zero_optimization
     if zc.offload_optimizer.enabled:
         require_offloadable(rule)
+        if zc.zenflow is not None and ctx.stage == 3:
+            from zero_core.offload.zenflow_stage3 import build_zenflow_stage3
+            return build_zenflow_stage3(ctx, hyper_groups, rule, parts, zero_grad)
         if zc.zenflow is not None:
             from zero_core.offload.zenflow import build_zenflow
             return build_zenflow(ctx, hyper_groups, rule, parts.buffers, zero_grad)

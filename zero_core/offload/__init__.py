@@ -19,12 +19,15 @@ Where things are:
 - partial.py — ``offload_optimizer.ratio`` < 1 (ZeRO-Offload++): the first ``1 - ratio``
   of the sub-groups keep their states on the device and step there;
 - speculative.py — ``offload_optimizer.super_offload`` (SuperOffload): host steps
-  speculated when the boundary backward ends, validated (kept, redone or rolled back) in
+  speculated per sub-group as the boundary backward reduces it, validated (kept, redone or rolled back) in
   ``step()``;
 - zenflow.py — :class:`ZenFlowOptimizer` (``zero_optimization.zenflow``, stages 1-2): the
   top-k gradient columns stepped on the device every step, the rest accumulated and
   stepped on the host every ``update_interval`` steps (optionally on a worker thread);
   built by ``build_zenflow`` (engine/optimizer_choice.py decides which optimizer);
+- zenflow_auto.py — ``update_interval: "auto"``: when the host update is due, from the
+  gradients' mass (DeepSpeed's rule with ``auto_ratio``);
+- zenflow_stage3.py — ZenFlow over stage 3's partitions (a small subclass);
 - params.py — ``offload_param`` for stage 3: parameter partitions in host memory or in
   files, fetched per fetch unit (with read-ahead along the recorded order) in the
   stage-3 gather path.

@@ -174,11 +174,16 @@ class NvmeStateStore:
             self._pump_locked()
         return {name: self.slots[slot][name].narrow(0, 0, sg.numel) for name in self.names}
 
-    def release(self, sg: SubGroup) -> None:
-        """Queue the sub-group's (updated) states for writing; its slot is reused after."""
+    def release(self, sg: SubGroup, write: bool = True) -> None:
+        """Queue the sub-group's (updated) states for writing; its slot is reused after.
+        *write* false: the states were only read (the file holds them): free the slot."""
         key = self.key(sg)
         with self._lock:
             slot = self._held.pop(key)
+            if not write:
+                self._free.append(slot)
+                self._pump_locked()
+                return
             self._writes[key] = self._writer.submit(self._write, key, slot)
 
     def finish(self) -> None:

@@ -139,13 +139,7 @@ class OffloadedOptimizer(PartitionedOptimizer):
                     self.store.release(sg)
             master = self._published(self.store.flat(j, MASTER))
             # stage 3: GatheredParameters write-backs of unit k must reach the offloaded master
-            if isinstance(self.store, HostStateStore):
-                unit_master = self._unit_master(j, master)
-            else:
-                def unit_master(k, j=j, lay=gb.layout):
-                    return MasterWriteThrough(self.store, j, lay.partition_start(k),
-                                              lay.shard_size(k), self.subgroups)
-            gb.replace_master(master, unit_master)
+            gb.replace_master(master, self._unit_master(j, master))
 
     def _published(self, flat):
         """What the group buffers and checkpoints are given for a store buffer: the buffer
@@ -153,8 +147,17 @@ class OffloadedOptimizer(PartitionedOptimizer):
         return flat
 
     def _unit_master(self, j: int, master):
-        """Where stage-3 write-backs of unit k go: ``unit_master(k)`` (host store)."""
-        return master.bucket
+        """Where stage-3 write-backs of unit k go: ``unit_master(k)`` (the host store's
+        view, or the swap files through :class:`MasterWriteThrough`)."""
+        if isinstance(self.store, HostStateStore):
+            return master.bucket
+        lay = master.layout
+        return lambda k: MasterWriteThrough(self.store, j, lay.partition_start(k),
+                                            lay.shard_size(k), self.subgroups)
+
+    def _streamed(self) -> list:
+        """The sub-groups the store streams each step (partial.py keeps some on the device)."""
+        return self.subgroups
 
     @property
     def skips_on_device(self) -> bool:
@@ -173,7 +176,7 @@ class OffloadedOptimizer(PartitionedOptimizer):
             if gb is not None:
                 self.step_counts[j] += 1
         store = self.store
-        store.begin(self.subgroups)
+        store.begin(self._streamed())
         inflight: deque = deque()   # all-gathers launched (stages 1-2)
         sends: dict = {}            # (group, bucket) -> send buffer being filled
         for sg in self.subgroups:
@@ -272,8 +275,8 @@ class PartialOffloadOptimizer(PartialOffload, OffloadedOptimizer):
 
 
 class SpeculativeOffloadOptimizer(Speculation, PartialOffloadOptimizer):
-    """``offload_optimizer.super_offload``: host steps speculated at the end of the boundary
-    backward, validated in ``step()`` (speculative.py); combines with ``ratio``."""
+    """``offload_optimizer.super_offload``: host steps speculated as the boundary backward
+    reduces each sub-group, validated in ``step()`` (speculative.py); combines with ``ratio``."""
 
 
 def build_offloaded_optimizer(ctx, hyper_groups, rule, buffers, zero_grad,

@@ -31,14 +31,15 @@ What differs from DeepSpeed, and why:
   a checkpoint, ``hand_back_model``, a report), and anything written there reaches the
   device before the next step. Host memory is therefore that of ``ratio`` 1; the device
   holds ``(1 - ratio)`` of master and states in addition.
-* ``device: nvme`` with ``ratio`` < 1 is refused (the swap-file store streams every
-  sub-group; a split of it is not implemented).
+* ``device: nvme``: the host part is the swap files, streamed as plain NVMe offload
+  streams them (nvme.py), the device sub-groups left out of the stream; the files keep the
+  whole partition, the device sub-groups' regions being the mirror (read and written only
+  when the mirror is synchronized, as above). Host memory is that of plain NVMe offload.
 """
 from __future__ import annotations
 
 import torch
 
-from zero_core.errors import ConfigError
 from zero_core.offload.host import MASTER
 from zero_core.partitioning.flat_buffer import FlatBuffer
 
@@ -120,11 +121,6 @@ class PartialOffload:
         self._dev: dict = {}
         self.device = device
         super().__init__(*args, **kwargs)
-        if self.store.kind != "cpu":
-            raise ConfigError(
-                f"zero_optimization.offload_optimizer.ratio = {ratio} with device "
-                f"{self.store.kind!r}: partial offload is implemented for device 'cpu' only; "
-                f"set offload_optimizer.device to 'cpu', or ratio to 1.0")
         self.ratio = ratio
         self.device_kernels = device_kernels
         n_dev = device_subgroup_count(len(self.subgroups), ratio)
@@ -139,6 +135,7 @@ class PartialOffload:
                 d.copy_(t)
                 self.ledger.track("master_weights" if name == MASTER else "optimizer_states", d)
                 self._dev[key][name] = d
+            self._release(sg, write=False)
             largest = max(largest, sg.numel)
         self._dev_grad = torch.empty(largest, dtype=torch.float32, device=device)
         if largest:
@@ -150,13 +147,25 @@ class PartialOffload:
 
     def _unit_master(self, j: int, master):
         lay = master.layout
+        inner = super()._unit_master(j, master._inner)   # NVMe: a MasterWriteThrough
 
         def unit_master(k):
             lo, n = lay.partition_start(k), lay.shard_size(k)
             # built before the split is known: which device sub-groups overlap is asked
             # at each write
-            return _UnitMasterWrite(self, j, lo, n, master._inner.data.narrow(0, lo, n))
+            return _UnitMasterWrite(self, j, lo, n, master._inner.data.narrow(0, lo, n)
+                                    if self.store.kind == "cpu" else inner(k))
         return unit_master
+
+    def _streamed(self) -> list:
+        return [sg for sg in self.subgroups if (sg.group, sg.index) not in self._device_keys]
+
+    def _release(self, sg, write: bool = True) -> None:
+        """Done with *sg*'s store tensors; *write* false: only read (NVMe skips the write)."""
+        if self.store.kind == "nvme":
+            self.store.release(sg, write=write)
+        else:
+            self.store.release(sg)
 
     def before_unit_write(self) -> None:
         """A stage-3 write-back is about to change the master (speculative.py's hook)."""
@@ -173,6 +182,7 @@ class PartialOffload:
                 host = self.store.acquire(sg)
                 for name, d in self._dev[(sg.group, sg.index)].items():
                     host[name].copy_(d)
+                self._release(sg)
             self._device_newer = False
         self._host_newer = True
 
@@ -183,6 +193,7 @@ class PartialOffload:
                 host = self.store.acquire(sg)
                 for name, d in self._dev[(sg.group, sg.index)].items():
                     d.copy_(host[name])
+                self._release(sg, write=False)
             self._host_newer = False
 
     @torch.no_grad()

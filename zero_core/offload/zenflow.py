@@ -1,8 +1,9 @@
 """ZenFlow: the offloaded update without the host step on the critical path (DeepSpeed's
-``zero_optimization.zenflow``), ZeRO stages 1 and 2 with ``offload_optimizer.device: cpu``.
+``zero_optimization.zenflow``), ZeRO stages 1 and 2 with ``offload_optimizer.device: cpu``;
+stage 3 is offload/zenflow_stage3.py (these rules over its partitions).
 
-DeepSpeed 0.19.8 has ZenFlow at stages 1, 2 and 3 (runtime/zenflow/); stage 3 is refused
-here by name (config/zenflow_section.py), as is ``update_interval: "auto"``.
+DeepSpeed 0.19.8 has ZenFlow at stages 1, 2 and 3 (runtime/zenflow/);
+``update_interval: "auto"`` (its default) is offload/zenflow_auto.py's rule, asked below.
 
 What one optimizer step ``t`` (1, 2, ...) does. ``g_t`` is the step's reduced gradient after
 unscaling and clipping (``grad_factor``, as in every zero-core step); W =
@@ -23,7 +24,8 @@ epoch; "auto": "epoch" with interval 1; steps per epoch come from ``initialize``
 * Every step after warm-up: the selected elements take an Adam step on the device with
   g_t (step count: device steps so far); every element's g_t is added into a host fp32
   accumulator (the device-to-host copy plain offload makes every step).
-* Host boundary, at t with (t - W) % U == 0, or S > 0 and t % S == 0 (so a window ends just
+* Host boundary, at t with (t - W) % U == 0 (U "auto": where offload/zenflow_auto.py's rule
+  says at t), or S > 0 and t % S == 0 (so a window ends just
   before each reselection): host Adam on every element of the master with the window's mean
   gradient (Σ g / steps in the window), step count t (DeepSpeed's ``step_id``); then the
   selected elements' master values are set to their device values, so a selected column
@@ -62,7 +64,8 @@ flushes the host update in flight (so the run that saves continues from the flus
 and the save equals it), writes the selected elements' device values into the master, and
 stores beside plain offload's master and moments four per-element fp32 columns
 (:data:`CHECKPOINT_KEYS`: the current window's gradient sum, the selection as 1.0/0.0, the
-device moments) and, in ``common.pt``, the step, device-step and window counters. Being per
+device moments) and, in ``common.pt``, the step, device-step and window counters (and the
+"auto" rule's per-weight sums). Being per
 element, they reshard like the moments (any world size); the selection is saved, not redone
 at load, so a resumed run continues bit for bit (tests/test_zenflow.py). DeepSpeed 0.19.8
 saves none of this (its ZenFlow adds nothing to the ZeRO checkpoint): a resumed DeepSpeed run
@@ -84,6 +87,7 @@ import torch
 from zero_core.errors import ConfigError, ZeroCoreError
 from zero_core.offload.host import HostStateStore
 from zero_core.offload.optimizer import MASTER, OffloadedOptimizer
+from zero_core.offload.zenflow_auto import AutoInterval
 from zero_core.partitioning.flat_buffer import FlatBuffer
 
 #: the ledger's name for ZenFlow's host<->device copies (CommLedger.record_copy)
@@ -156,6 +160,9 @@ class ZenFlowOptimizer(OffloadedOptimizer):
         self._pool = None
         #: test hook: called on the worker at the start of each host update
         self._before_host_update = None
+        # update_interval "auto": the rule that says when the host update is due
+        self.auto = (AutoInterval(self, zf.topk_ratio, zf.auto_ratio)
+                     if zf.update_interval == "auto" else None)
         # applied: (window's last step, the step it reached the parameters), the last 64
         self.stats = {"selections": 0, "host_updates": 0, "host_wait_s": 0.0,
                       "applied": deque(maxlen=64)}
@@ -169,7 +176,7 @@ class ZenFlowOptimizer(OffloadedOptimizer):
             return
         per = 1 if zf.select_strategy == "auto" else zf.select_interval
         self.select_every = per * steps
-        if self.select_every and self.select_every < zf.update_interval:
+        if self.auto is None and self.select_every and self.select_every < zf.update_interval:
             raise ConfigError(
                 f"zero_optimization.zenflow: selecting every {self.select_every} steps "
                 f"({zf.select_strategy}: {per} epoch(s) of {steps} steps) is less than "
@@ -182,7 +189,11 @@ class ZenFlowOptimizer(OffloadedOptimizer):
 
     def _host_boundary(self, t: int) -> bool:
         w, s = self.zf.full_warm_up_rounds, self.select_every
-        return (t - w) % self.zf.update_interval == 0 or (s > 0 and t % s == 0)
+        if self.auto is not None:   # asked every step (collective): offload/zenflow_auto.py
+            due = self.auto.observe(self._window)
+        else:
+            due = (t - w) % self.zf.update_interval == 0
+        return due or (s > 0 and t % s == 0)
 
     # ---- the step -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -352,6 +363,8 @@ class ZenFlowOptimizer(OffloadedOptimizer):
                "idx": dict(self.host.idx),
                "hyper": {j: self._hyper(j) for j in {key[0] for key in self.keys}}}
         self._window = 0
+        if self.auto is not None:
+            self.auto.restart()
         if self.zf.overlap_step:
             self._cur ^= 1
         return job
@@ -468,7 +481,8 @@ class ZenFlowOptimizer(OffloadedOptimizer):
         """ZenFlow's counters for ``common.pt`` (checkpoint/save_load.py); equal on every
         rank, read after :attr:`flat_state` flushed."""
         return {"zenflow": {"t": self.t, "device_steps": self.device_steps,
-                            "window": self._window}}
+                            "window": self._window,
+                            "auto": None if self.auto is None else self.auto.state()}}
 
     def load_checkpoint_extra(self, extra) -> None:
         """After a load with optimizer states: rebuild the window and the selection from
@@ -481,6 +495,8 @@ class ZenFlowOptimizer(OffloadedOptimizer):
                                 "load_optimizer_states=False, or without zenflow")
         self.t, self.device_steps = int(zf_state["t"]), int(zf_state["device_steps"])
         self._window, self._cur, self._job = int(zf_state["window"]), 0, None
+        if self.auto is not None:
+            self.auto.load(zf_state.get("auto"))
         for key in self.keys:
             j, k = key
             views = {n: fb.bucket(k) for n, fb in self._ckpt[j].items()}
@@ -518,8 +534,8 @@ def build_zenflow(ctx, hyper_groups, rule, buffers, zero_grad) -> ZenFlowOptimiz
     """The engine's optimizer when ``zero_optimization.zenflow`` is set (*ctx*: the engine's
     ``BuildContext``; engine/optimizer_choice.py decides)."""
     zc = ctx.config.zero_optimization
-    if ctx.stage not in (1, 2):
-        raise ConfigError(f"zero_optimization.zenflow needs stage 1 or 2 (got {ctx.stage})")
+    if ctx.stage not in (1, 2):   # stage 3: offload/zenflow_stage3.py
+        raise ConfigError(f"zero_optimization.zenflow needs stage 1, 2 or 3 (got {ctx.stage})")
     return ZenFlowOptimizer(hyper_groups, rule, buffers, ctx.comm, ctx.memory_ledger, zero_grad,
                             zc.offload_optimizer, zc.sub_group_size, ctx.accelerator, ctx.rank,
                             zc.zenflow, ctx.kernels, ctx.device)

@@ -129,6 +129,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """Told by ``initialize(training_data=)``: optimizer steps per epoch (ZenFlow's
         epoch-based column selection: offload/zenflow.py)."""
 
+    def follow_reducer(self, reducer, backward_state) -> None:
+        """Told once, after the gradient reducer exists: *reducer* (its ``on_reduced`` hook
+        reports each bucket / unit whose reduction landed) and *backward_state()*, which says
+        (boundary backward?, micro-step, postscale, loss scaler) of the backward running.
+        SuperOffload starts host steps during backward from it (offload/speculative.py)."""
+
     def rank_checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """State that differs between the ranks and that the flat states do not hold (the
         1-bit optimizers' error feedback: optim/onebit.py), written into this rank's own

@@ -32,6 +32,11 @@ that is ready early waits for its predecessors.
 Gradients arrive pre-multiplied by 1/world_size (the engine folds it into the loss
 scale), so a sum-reduction yields the average without another pass over the data.
 
+Hook: ``on_reduced`` (None: nothing is called, nothing is spent), when set, is called with
+``reduced_grad_bucket(k)`` of a bucket's group buffers once that bucket's reduction of this
+backward has landed there (its collective retired). SuperOffload
+(offload/speculative.py) starts the host steps of complete sub-groups from it.
+
 What the engine calls is :class:`~zero_core.interfaces.engine_parts.GradReducerProtocol`;
 what this reducer needs of each group's buffers is
 :class:`~zero_core.interfaces.engine_parts.BucketBuffersProtocol`.
@@ -99,6 +104,8 @@ class GradReducer(GradReducerProtocol):
         self._mixed = self._mixed_buckets(comm)
         self._pools = DtypePools(max_bucket, device, on_allocate, self._finish_oldest)
         self._inflight: deque = deque()
+        #: called with a bucket's reduced gradient once its reduction landed (docstring)
+        self.on_reduced: Callable[[torch.Tensor], None] | None = None
         # stage 2: accumulator slices that the next reduction overwrites instead of adds to
         self._fresh = {gk: True for gk in self.order}
         self._bucket_grads: dict[tuple[int, int], torch.Tensor] = {}
@@ -245,8 +252,9 @@ class GradReducer(GradReducerProtocol):
             handle.wait()
             if done is not None:
                 done()
+            self._landed((g, k))
             return
-        self._inflight.append((handle, done))
+        self._inflight.append((handle, done, (g, k)))
         while len(self._inflight) > self.max_inflight:
             self._finish_oldest()
 
@@ -301,11 +309,16 @@ class GradReducer(GradReducerProtocol):
     def _finish_oldest(self) -> bool:
         if not self._inflight:
             return False
-        handle, done = self._inflight.popleft()
+        handle, done, gk = self._inflight.popleft()
         handle.wait()
         if done is not None:
             done()
+        self._landed(gk)
         return True
+
+    def _landed(self, gk) -> None:
+        if self.on_reduced is not None:
+            self.on_reduced(self.groups[gk[0]].reduced_grad_bucket(gk[1]))
 
     # ---- end of backward / step ----------------------------------------------------------
     def flush(self) -> None:

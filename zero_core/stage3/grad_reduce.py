@@ -31,6 +31,11 @@ with; a unit mixing dtypes is reduce-scattered as one collective per dtype.
 
 Launch order is the order units complete, which is the same on every rank (same graph,
 same deterministic autograd schedule).
+
+Hook: ``on_reduced`` (None: nothing is called, nothing is spent), when set, is called with
+``unit.grad_part`` once the unit's reduction of this round has landed there (at once on one
+rank or without ``overlap_comm``, else when its collective is retired). SuperOffload
+(offload/speculative.py) starts the host steps of complete sub-groups from it.
 """
 from __future__ import annotations
 
@@ -102,6 +107,8 @@ class Stage3GradReducer(GradReducerProtocol):
         self._inflight: deque = deque()
         self._hooks = []
         self.launches = 0
+        #: called with a unit's ``grad_part`` once its reduction landed (docstring)
+        self.on_reduced = None
 
     # ---- hooks -----------------------------------------------------------------------------
     def register_hooks(self) -> None:
@@ -159,6 +166,7 @@ class Stage3GradReducer(GradReducerProtocol):
         elif self.comm.world_size == 1:
             acc.copy_(buf) if fresh else acc.add_(buf)
             self._grad_pool.release(buf)
+            self._landed(u)
             return
         elif fresh and acc.dtype == buf.dtype:
             handle = self._reduce(u, acc, buf)
@@ -177,8 +185,9 @@ class Stage3GradReducer(GradReducerProtocol):
         if not self.overlap:
             handle.wait()
             done()
+            self._landed(u)
             return
-        self._inflight.append((handle, done))
+        self._inflight.append((handle, done, u))
         while len(self._inflight) > self.max_inflight:
             self._finish_oldest()
 
@@ -188,10 +197,15 @@ class Stage3GradReducer(GradReducerProtocol):
     def _finish_oldest(self) -> bool:
         if not self._inflight:
             return False
-        handle, done = self._inflight.popleft()
+        handle, done, u = self._inflight.popleft()
         handle.wait()
         done()
+        self._landed(u)
         return True
+
+    def _landed(self, u: FetchUnit) -> None:
+        if self.on_reduced is not None:
+            self.on_reduced(u.grad_part)
 
     # ---- end of backward / step ------------------------------------------------------------
     def flush(self) -> None:
