@@ -15,6 +15,19 @@ after the last step (DeepSpeed's master weights), the dtype each parameter has i
 and the dtypes DeepSpeed's ZeRO optimizer keeps its gradient-reduction buckets in (the
 ``comm_dtype`` it gave each parameter, where it gave one). A case DeepSpeed refuses is
 recorded with its message.
+
+The ``*_ln_p0`` / ``*_ln_pdefault`` cases list ``torch.nn.LayerNorm`` (which autocast does not
+cast) as lower-precision safe at stage 3, with ``stage3_param_persistence_threshold`` 0 and
+its default, autocasting to bf16 and fp16, and start the LayerNorm from random weights
+(``perturb_ln``: not representable in bf16/fp16): DeepSpeed all-gathers those weights in the
+autocast dtype, so its LayerNorm computes with rounded weights — every step when they are
+not persistent, only before the first optimizer step when they are.
+
+The ``*_fp16ac`` / ``*_fp16ac_overflow`` cases autocast to fp16 with fp32 parameters, where
+DeepSpeed scales the loss with a ``torch.amp.GradScaler`` (recorded: its final scale,
+``grad_scale``, and ``skipped_steps``); the overflow cases multiply the loss by
+``loss_mult`` at some steps so that the scaled fp16 gradients overflow there; the underflow
+cases multiply it by 1e-6, so that unscaled fp16 gradients would underflow.
 """
 from __future__ import annotations
 
@@ -31,7 +44,9 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 OUT = os.path.join(REPO, "tests", "fixtures", "deepspeed_autocast.json")
 STEPS, GLOBAL_BATCH, RANKS = 4, 12, 2
 
-#: name -> (stage, bf16 section or None, lower_precision_safe_modules or None)
+#: name -> (stage, bf16 section or None, lower_precision_safe_modules or None[, extra]);
+#: extra: "zero" (more zero_optimization keys), "dtype" (torch_autocast.dtype), "perturb_ln"
+LN_SAFE = ["torch.nn.LayerNorm"]
 CASES = {
     **{f"stage{s}_fp32": (s, None, None) for s in (0, 1, 2, 3)},
     **{f"stage{s}_bf16": (s, {"enabled": True}, None) for s in (0, 1, 2, 3)},
@@ -39,6 +54,20 @@ CASES = {
                                      "bf16_optimizer_states": True}, None) for s in (1, 2, 3)},
     "stage2_fp32_layernorm_safe": (2, None, ["torch.nn.LayerNorm"]),
     "stage3_fp32_layernorm_safe": (3, None, ["torch.nn.LayerNorm"]),
+    **{f"stage3_{tag}_ln_p{name}": (3, None, LN_SAFE, {
+        "zero": zero, "dtype": dtype, "perturb_ln": True})
+       for tag, dtype in (("fp32", "bfloat16"), ("fp32_fp16ac", "float16"))
+       for name, zero in (("0", {"stage3_param_persistence_threshold": 0}), ("default", {}))},
+    # fp16 autocast, where DeepSpeed scales the loss with a torch GradScaler: no clipping
+    # (DeepSpeed's stages 1-3 clip the still-scaled norm), and the loss multiplied by 1e4 at
+    # steps 0 and 2 so that the scaled fp16 gradients overflow there ("loss_mult")
+    **{f"stage{s}_fp32_fp16ac{tag}": (s, None, None, {"dtype": "float16", "clip": 0.0, **x})
+       for s in (0, 1, 2, 3)
+       for tag, x in (("", {}), ("_overflow", {"loss_mult": {0: 1e4, 2: 1e4}}))},
+    # ... and by 1e-6 at every step: unscaled, its fp16 gradients would underflow
+    **{f"stage{s}_fp32_fp16ac_underflow": (s, None, None, {
+        "dtype": "float16", "clip": 0.0, "loss_mult": {i: 1e-6 for i in range(STEPS)}})
+       for s in (0, 2)},
 }
 
 
@@ -57,9 +86,15 @@ class Net(torch.nn.Module):
         return self.head(torch.nn.functional.gelu(self.l2(h)))
 
 
-def make_model() -> Net:
+def make_model(perturb_ln: bool = False) -> Net:
     torch.manual_seed(0)
-    return Net()
+    model = Net()
+    if perturb_ln:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(9)
+            model.ln.weight.copy_(1 + 0.3 * torch.randn(16, generator=g))
+            model.ln.bias.copy_(0.3 * torch.randn(16, generator=g))
+    return model
 
 
 def batch(step: int, rank: int, world: int):
@@ -70,15 +105,23 @@ def batch(step: int, rank: int, world: int):
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
-def config(stage: int, bf16, safe) -> dict:
-    autocast = {"enabled": True, "dtype": "bfloat16"}
+def loss_mult(extra: dict, step: int) -> float:
+    """The factor the loss of *step* is multiplied by (keys may be JSON strings)."""
+    mult = extra.get("loss_mult") or {}
+    return float(mult.get(step, mult.get(str(step), 1.0)))
+
+
+def config(stage: int, bf16, safe, extra=None) -> dict:
+    extra = extra or {}
+    autocast = {"enabled": True, "dtype": extra.get("dtype", "bfloat16")}
     if safe is not None:
         autocast["lower_precision_safe_modules"] = safe
     cfg = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 1,
-           "gradient_clipping": 1.0,
+           "gradient_clipping": extra.get("clip", 1.0),
            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.9, 0.99],
                                                     "eps": 1e-8}},
-           "zero_optimization": {"stage": stage}, "torch_autocast": autocast,
+           "zero_optimization": {"stage": stage, **extra.get("zero", {})},
+           "torch_autocast": autocast,
            "steps_per_print": 1000}
     if bf16 is not None:
         cfg["bf16"] = bf16
@@ -93,9 +136,10 @@ def rank_main(name: str, out: str) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    stage, bf16, safe = CASES[name]
-    model = make_model()
-    cfg = config(stage, bf16, safe)
+    stage, bf16, safe, *extra = CASES[name]
+    extra = extra[0] if extra else {}
+    model = make_model(extra.get("perturb_ln", False))
+    cfg = config(stage, bf16, safe, extra)
     try:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=cfg)
@@ -111,12 +155,14 @@ def rank_main(name: str, out: str) -> None:
     losses = []
     for s in range(STEPS):
         x, y = batch(s, rank, world)
-        loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+        loss = torch.nn.functional.mse_loss(engine(x).float(), y) * loss_mult(extra, s)
         engine.backward(loss)
         engine.step()
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(float(total) / world)
+    scaler = (getattr(engine, "torch_autocast_z0_gradscaler", None)
+              or getattr(engine.optimizer, "torch_autocast_gradscaler", None))
     masters = {}
     opt = engine.optimizer
     if hasattr(opt, "fp32_groups_flat") and hasattr(opt, "fp16_groups"):
@@ -136,8 +182,11 @@ def rank_main(name: str, out: str) -> None:
     if rank == 0:
         with open(out, "w") as fh:
             json.dump({"config": cfg, "losses": losses, "final": final,
+                       "perturb_ln": extra.get("perturb_ln", False),
                        "param_dtypes": param_dtypes, "comm_dtypes": comm,
-                       "bucket_dtypes": buckets,
+                       "bucket_dtypes": buckets, "loss_mult": extra.get("loss_mult", {}),
+                       "grad_scale": None if scaler is None else float(scaler.get_scale()),
+                       "skipped_steps": engine.skipped_steps,
                        "wrapper": type(engine.optimizer).__name__}, fh)
     dist.barrier()
 

@@ -25,11 +25,43 @@ is built (:func:`mark_comm_dtypes`), and the gradient reducers read it
 (:func:`param_comm_dtype`); a bucket or fetch unit whose parameters differ is reduced as
 one collective per dtype (:class:`MixedReduction`).
 
-Not done: DeepSpeed's stage 3 also all-gathers non-persistent safe parameters in the
-autocast dtype (and widens them back); here they are gathered in their own dtype. Under
-autocast, Linear/ConvNd round those weights to the same dtype anyway, so their forward is
-the same; a custom safe class whose operations autocast does not cast (e.g. LayerNorm)
-computes with unrounded weights here.
+**Stage-3 gathers** (:class:`MixedGather`, used by stage3/gather.py), as DeepSpeed 0.19.8
+does (read in ``runtime/zero/partition_parameters.py`` and checked with its own 2-rank runs,
+ci/tools/make_autocast_fixture.py):
+
+- its coordinator's fetch (``all_gather_coalesced``) gathers each parameter in
+  ``get_allgather_dtype``: the autocast dtype for every parameter of a safe module (frozen
+  ones too: the mark is on all of the module's own parameters), else the partition's dtype;
+  a fetch mixing both runs one collective per dtype. The wait widens the result back to
+  the partition's dtype, so the gathered parameter keeps its dtype (fp32 with
+  ``torch_autocast`` alone) with rounded values, and its gradient stays fp32 (reduced in
+  the dtype of the rule above). With ``bf16.enabled`` nothing changes (already bf16).
+- **persistent** parameters (``stage3_param_persistence_threshold``): fetched that way at
+  their first use, but after every optimizer step (``_post_step``) and checkpoint load
+  DeepSpeed re-gathers them with ``param.all_gather()``, in the partition's dtype, and keeps
+  them. So here: rounded until the persistent unit's first release, exact after it.
+- ``param.all_gather()`` (GatheredParameters, state dicts) is exact; here a unit still
+  holding a rounded gather is gathered again exactly for them when no forward runs it
+  (DeepSpeed hands out the copy it holds).
+- one rank: no collective and no rounding (DeepSpeed's ``_no_gather_coalesced``).
+
+**Loss scaling** (:func:`autocast_loss_scaler`): with ``torch_autocast.dtype`` fp16 given
+explicitly and fp32 parameters, DeepSpeed 0.19.8 makes a ``torch.amp.GradScaler`` (torch's
+defaults) at every stage — the engine's at stage 0, its ZeRO optimizer's at stages 1-3 — and
+multiplies the loss by its scale before backward. zero-core gives the engine a scaler with
+that rule (optim/loss_scaler.py :class:`GradScalerLossScaler`) where the fp16 section's
+would go, so the engine's fp16 machinery does the rest on the device: loss × scale,
+gradients × 1/scale before clipping, an inf/NaN step skipped (``engine.skipped_steps``, the
+LR schedule holds) and the scale halved, the state in checkpoints. DeepSpeed differs at
+stages 1-3 (read in ``stage_1_and_2.py``/``stage3.py`` and seen in its runs,
+ci/tools/make_autocast_fixture.py): it clips with the norm of the still-scaled gradients
+(its own loss scale is 1) before the GradScaler unscales, and its non-finite norm check
+skips an overflowing step before the GradScaler sees it, so the scale never backs off, and
+it steps and updates the GradScaler once per parameter group (stage 3: sub-group), so with
+several groups its scale grows sooner than every 2000 steps; its stage 0 (the GradScaler on the engine's torch optimizer) backs off as here but does not count
+the skipped step. A null dtype gets no scaler there either.
+
+Not done: ZeRO++ gather strategies (hpZ) stay exact.
 """
 from __future__ import annotations
 
@@ -49,6 +81,8 @@ DEFAULT_SAFE_MODULES = ("torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d",
                         "torch.nn.Conv3d")
 #: the attribute on a parameter naming the dtype its gradient is reduced in
 COMM_DTYPE_ATTR = "_zero_core_comm_dtype"
+#: the attribute on a parameter naming the dtype stage 3 all-gathers it in for compute
+GATHER_DTYPE_ATTR = "_zero_core_gather_dtype"
 
 _warned_outer = False
 
@@ -79,6 +113,18 @@ def autocast_context(config, device: torch.device):
                     "torch_autocast section is off: the engine runs the model without "
                     "autocast (as DeepSpeed does); enable torch_autocast to autocast it")
     return torch.autocast(device_type=device.type, enabled=False)
+
+
+def autocast_loss_scaler(config, device: torch.device):
+    """The loss scaler of a ``torch_autocast`` run without ``fp16``: torch's GradScaler rule
+    (optim/loss_scaler.py :class:`GradScalerLossScaler`, torch's defaults) when the section
+    names fp16 explicitly, as DeepSpeed 0.19.8 creates one then (a null dtype, even where
+    torch's default is fp16, gets none there too); else None."""
+    ac = config.torch_autocast
+    if not ac.enabled or config.fp16.enabled or torch_dtype(ac.dtype) != torch.float16:
+        return None
+    from zero_core.optim.loss_scaler import GradScalerLossScaler
+    return GradScalerLossScaler().to(device)
 
 
 def safe_module_classes(paths) -> tuple[type, ...]:
@@ -114,8 +160,9 @@ def mark_comm_dtypes(model: torch.nn.Module, config, device: torch.device) -> No
     """Write on every parameter of *model* the dtype its gradient is reduced in, or clear
     it where ``communication_data_type`` decides (a model may be given to several engines)."""
     for p in model.parameters():
-        if hasattr(p, COMM_DTYPE_ATTR):
-            delattr(p, COMM_DTYPE_ATTR)
+        for attr in (COMM_DTYPE_ATTR, GATHER_DTYPE_ATTR):
+            if hasattr(p, attr):
+                delattr(p, attr)
     dtype = autocast_dtype(config, device)
     if dtype is None:
         return
@@ -149,6 +196,8 @@ def mark_comm_dtypes(model: torch.nn.Module, config, device: torch.device) -> No
     for p in model.parameters():
         if p.requires_grad:
             setattr(p, COMM_DTYPE_ATTR, dtype if id(p) in safe else config.compute_dtype)
+        if zc.stage == 3 and id(p) in safe:   # frozen ones too (module docstring)
+            setattr(p, GATHER_DTYPE_ATTR, dtype)
 
 
 def reducer_dtype(params, configured: torch.dtype, compute: torch.dtype) -> torch.dtype:
@@ -163,14 +212,17 @@ def param_comm_dtype(p: torch.Tensor, default: torch.dtype) -> torch.dtype:
 
 
 class _Handles:
-    """Several collectives' handles as one."""
+    """Several collectives' handles as one (*then*: run once after they completed)."""
 
-    def __init__(self, handles):
-        self.handles = handles
+    def __init__(self, handles, then=None):
+        self.handles, self.then = handles, then
 
     def wait(self):
         for h in self.handles:
             h.wait()
+        if self.then is not None:
+            self.then, then = None, self.then
+            then()
 
 
 class MixedReduction:
@@ -183,18 +235,8 @@ class MixedReduction:
     def __init__(self, runs, size: int, world_size: int, rank: int):
         if size % world_size:
             raise ValueError(f"bucket of {size} elements is not split in {world_size} slices")
-        shard = size // world_size
-        self.rank, self.world_size, self.shard = rank, world_size, shard
-        pieces: dict[torch.dtype, list[list[tuple[int, int]]]] = {}
-        for lo, hi, dtype in runs:
-            per_rank = pieces.setdefault(dtype, [[] for _ in range(world_size)])
-            for r in range(lo // shard, min(-(-hi // shard), world_size)):
-                a, b = max(lo, r * shard), min(hi, (r + 1) * shard)
-                if a < b:
-                    per_rank[r].append((a, b - a))
-        self.dtypes = sorted(pieces, key=str)  # one order on every rank
-        self.pieces = pieces
-        self.chunk = {d: max(sum(n for _, n in pr) for pr in pieces[d]) for d in self.dtypes}
+        self.rank, self.world_size, self.shard = rank, world_size, size // world_size
+        self.dtypes, self.pieces, self.chunk = _rank_pieces(runs, size, world_size)
 
     def launch(self, comm, src: torch.Tensor, dst: torch.Tensor, add: bool, take, release):
         """Reduce-scatter *src* (the whole bucket) into *dst* (this rank's slice): copy, or
@@ -226,6 +268,80 @@ class MixedReduction:
                 release(inp)
                 release(out)
         return _Handles(handles), done
+
+
+def _rank_pieces(runs, size: int, world_size: int):
+    """Runs ``[(lo, hi, dtype)]`` covering ``[0, size)`` cut at the rank slices (``size /
+    world_size`` elements each): ``(dtypes, pieces, chunk)`` with ``pieces[dtype][r]`` the
+    ``(lo, n)`` pieces of that dtype in rank r's slice and ``chunk[dtype]`` the most
+    elements of that dtype any rank holds (the per-rank chunk of its collective)."""
+    shard = size // world_size
+    pieces: dict[torch.dtype, list[list[tuple[int, int]]]] = {}
+    for lo, hi, dtype in runs:
+        per_rank = pieces.setdefault(dtype, [[] for _ in range(world_size)])
+        for r in range(lo // shard, min(-(-hi // shard), world_size)):
+            a, b = max(lo, r * shard), min(hi, (r + 1) * shard)
+            if a < b:
+                per_rank[r].append((a, b - a))
+    dtypes = sorted(pieces, key=str)  # one order on every rank
+    chunk = {d: max(sum(n for _, n in pr) for pr in pieces[d]) for d in dtypes}
+    return dtypes, pieces, chunk
+
+
+class MixedGather:
+    """The all-gather of one fetch unit (``size`` padded elements, ``part`` this rank's
+    slice) whose runs ``[(lo, hi, dtype)]`` travel in different dtypes: per dtype, the
+    elements of that dtype in each rank's slice are packed (cast) into one chunk per rank,
+    padded with zeros to the longest, all-gathered, and unpacked (widened back) into the
+    unit's flat buffer. See the module docstring for which parameters use it."""
+
+    def __init__(self, runs, size: int, world_size: int, rank: int):
+        self.rank, self.world_size, self.shard = rank, world_size, size // world_size
+        self.dtypes, self.pieces, self.chunk = _rank_pieces(runs, size, world_size)
+
+    def launch(self, comm, part: torch.Tensor, full: torch.Tensor):
+        """Start the collectives from *part* into *full*; the handle's ``wait`` completes
+        them and writes *full*."""
+        base, outs, handles = self.rank * self.shard, [], []
+        for d in self.dtypes:
+            m = self.chunk[d]
+            send = torch.zeros(m, dtype=d, device=part.device)
+            pos = 0
+            for lo, n in self.pieces[d][self.rank]:
+                send.narrow(0, pos, n).copy_(part.narrow(0, lo - base, n))
+                pos += n
+            recv = torch.empty(m * self.world_size, dtype=d, device=part.device)
+            handles.append(comm.all_gather_into(recv, send, async_op=True))
+            outs.append((d, m, recv))
+
+        def unpack():
+            for d, m, recv in outs:
+                for r, pieces in enumerate(self.pieces[d]):
+                    pos = r * m
+                    for lo, n in pieces:
+                        full.narrow(0, lo, n).copy_(recv.narrow(0, pos, n))
+                        pos += n
+            outs.clear()
+        return _Handles(handles, unpack)
+
+
+def mixed_gather(comm, spans, size: int, part_dtype: torch.dtype,
+                 rank: int) -> MixedGather | None:
+    """The gather of a fetch unit of *size* padded elements holding the parameters *spans*
+    ``[(lo, n, param)]``, whose partition is in *part_dtype*, when some travel in a lower
+    dtype for compute (:data:`GATHER_DTYPE_ATTR`); None when all travel in *part_dtype* (a
+    plain all-gather does). Refused by name when *comm* cannot carry the dtype."""
+    runs = _bucket_runs(spans, size, part_dtype, GATHER_DTYPE_ATTR)
+    if runs is None:
+        return None
+    for _, _, dtype in runs:
+        if not comm.supports("all_gather_into", dtype):
+            raise ConfigError(
+                f"torch_autocast.lower_precision_safe_modules: stage 3 all-gathers those "
+                f"modules' parameters in {dtype_name(dtype)} (as DeepSpeed does), but the "
+                f"{comm.name} communicator cannot carry {dtype_name(dtype)}; pick another "
+                f"comm_backend or set lower_precision_safe_modules to []")
+    return MixedGather(runs, size, comm.world_size, rank)
 
 
 class DtypePools:
@@ -268,13 +384,13 @@ def mixed_reduction(comm, spans, size: int, default: torch.dtype,
     return MixedReduction(runs, size, comm.world_size, rank)
 
 
-def _bucket_runs(spans, size: int, default: torch.dtype):
+def _bucket_runs(spans, size: int, default: torch.dtype, attr: str = COMM_DTYPE_ATTR):
     """*spans* ``[(lo, n, param)]`` of a flat bucket of *size* elements as runs ``[(lo, hi,
     dtype)]`` covering ``[0, size)`` (gaps and padding take the neighbouring run's dtype), or
     None when every parameter's dtype is *default*."""
     runs = []
     for lo, n, p in sorted(spans, key=lambda s: s[0]):
-        d = param_comm_dtype(p, default)
+        d = getattr(p, attr, None) or default
         if runs and runs[-1][2] == d and runs[-1][1] >= lo:
             runs[-1][1] = max(runs[-1][1], lo + n)
         else:

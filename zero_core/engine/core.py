@@ -32,7 +32,7 @@ import torch
 from zero_core.checkpoint.schedule import Checkpointing
 from zero_core.config import Config
 from zero_core.config.precision import dtype_name
-from zero_core.engine.autocast import autocast_context, mark_comm_dtypes
+from zero_core.engine.autocast import autocast_context, autocast_loss_scaler, mark_comm_dtypes
 from zero_core.engine.contract import StageParts
 from zero_core.engine.optimizer_choice import build_optimizer
 from zero_core.engine.step_stats import leading_dim
@@ -157,8 +157,8 @@ class ZeroEngine(torch.nn.Module):
         self.optimizer.follow_reducer(self.reducer, lambda: (  # SuperOffload (speculative.py)
             self.is_gradient_accumulation_boundary(), self.micro_steps, self._postscale,
             self.loss_scaler))
-        self.loss_scaler = (build_loss_scaler(config.fp16).to(self.device)
-                            if config.fp16.enabled else None)
+        self.loss_scaler = (build_loss_scaler(config.fp16).to(self.device) if config.fp16.enabled
+                            else autocast_loss_scaler(config, self.device))
         self._nonfinite = NonFiniteGuard(config.safety.nonfinite_gradients,
                                          config.safety.max_consecutive_skips, config.precision)
         self.lr_scheduler = self._resolve_scheduler(lr_scheduler)

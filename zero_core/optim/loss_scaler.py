@@ -17,7 +17,10 @@ scale before backward and the gradients are divided by it before the optimizer s
 * with ``consecutive_hysteresis`` the hysteresis is refilled on every good step, so only
   ``hysteresis`` overflows *in a row* lower the scale.
 
-A *static* scale (``fp16.loss_scale > 0``) never changes.
+A *static* scale (``fp16.loss_scale > 0``) never changes. :class:`GradScalerLossScaler` is
+``torch.amp.GradScaler``'s rule instead (``torch_autocast`` to fp16 with fp32 parameters,
+engine/autocast.py): halve on every overflow, no hysteresis, no floor; double after
+``growth_interval`` good steps in a row, counted afresh after each change.
 
 The dynamic scaler's state lives in one small tensor, moved to the engine's device
 (:meth:`DynamicLossScaler.to`): the engine multiplies the loss by :attr:`current` (that
@@ -37,8 +40,8 @@ import torch
 
 from zero_core.errors import ConfigError, ZeroCoreError
 
-__all__ = ["DynamicLossScaler", "StaticLossScaler", "LossScaleUnderflowError", "has_overflow",
-           "overflow_flag", "build_loss_scaler"]
+__all__ = ["DynamicLossScaler", "StaticLossScaler", "GradScalerLossScaler",
+           "LossScaleUnderflowError", "has_overflow", "overflow_flag", "build_loss_scaler"]
 
 
 class LossScaleUnderflowError(ZeroCoreError, FloatingPointError):
@@ -255,6 +258,88 @@ class DynamicLossScaler(_LossScaler):
                               f"dynamic scaler: the checkpoint used a static fp16.loss_scale; use "
                               f"the same fp16 settings as when it was saved")
         values = [float(state["scale"]), int(state["hysteresis_left"]), int(state["good_steps"]),
+                  int(state.get("steps", 0)), int(state.get("overflows", 0))]
+        self._state.copy_(torch.tensor(values, dtype=torch.float64))
+
+
+class GradScalerLossScaler(_LossScaler):
+    """``torch.amp.GradScaler``'s scale (defaults: ``init_scale`` 2**16, ``growth_factor``
+    2, ``backoff_factor`` 0.5, ``growth_interval`` 2000), which DeepSpeed 0.19.8 uses for
+    ``torch_autocast`` to fp16 with fp32 parameters: an overflow multiplies the scale by
+    ``backoff_factor`` and restarts the count; a good step counts, and the
+    ``growth_interval``-th in a row multiplies it by ``growth_factor`` (kept only if
+    finite) and restarts the count. No hysteresis and no floor (never raises). The state
+    lives on the device as :class:`DynamicLossScaler`'s does."""
+
+    dynamic = True
+    underflow = None   # no floor to hit
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        # [scale, good steps since the last change, steps, overflows] (float64: exact counts)
+        self._state = torch.tensor([float(init_scale), 0, 0, 0], dtype=torch.float64)
+
+    def to(self, device) -> "GradScalerLossScaler":
+        self._state = self._state.to(device)
+        return self
+
+    @property
+    def scale(self) -> float:
+        return float(self._state[0])
+
+    loss_scale = scale
+
+    @property
+    def current(self) -> torch.Tensor:
+        return self._state[0]
+
+    @property
+    def growth_tracker(self) -> int:
+        return int(self._state[1])
+
+    @property
+    def steps(self) -> int:
+        return int(self._state[2])
+
+    @property
+    def overflows(self) -> int:
+        return int(self._state[3])
+
+    def update_on_device(self, overflow: torch.Tensor) -> None:
+        """Adapt the scale after one optimizer step (*overflow*: a 0-dim bool tensor on the
+        state's device); nothing is read back."""
+        scale, tracker, steps, overflows = self._state.unbind()
+        counted = tracker + 1
+        grow = counted >= self.growth_interval
+        grown = scale * self.growth_factor
+        grown = torch.where(torch.isfinite(grown), grown, scale)
+        new = torch.stack([
+            torch.where(overflow, scale * self.backoff_factor,
+                        torch.where(grow, grown, scale)),
+            torch.where(overflow | grow, torch.zeros_like(tracker), counted),
+            steps + 1,
+            overflows + overflow.to(torch.float64)])
+        self._state.copy_(new)
+
+    def update(self, overflow: bool) -> None:
+        """:meth:`update_on_device` for a host *overflow* (tests, tools)."""
+        self.update_on_device(torch.tensor(bool(overflow), device=self._state.device))
+
+    def state_dict(self) -> dict:
+        return {"type": "grad_scaler", "scale": self.scale,
+                "growth_tracker": self.growth_tracker, "steps": self.steps,
+                "overflows": self.overflows}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from :meth:`state_dict`; the factors and interval come from the config."""
+        if state.get("type") != "grad_scaler":
+            raise ConfigError(f"cannot load a {state.get('type')!r} loss-scaler state into the "
+                              f"torch_autocast fp16 GradScaler: the checkpoint was saved with "
+                              f"other precision settings; use the same fp16 / torch_autocast "
+                              f"settings as when it was saved")
+        values = [float(state["scale"]), int(state.get("growth_tracker", 0)),
                   int(state.get("steps", 0)), int(state.get("overflows", 0))]
         self._state.copy_(torch.tensor(values, dtype=torch.float64))
 

@@ -22,6 +22,12 @@ is true while the coordinator gathers for forward/backward, when a lossy quantiz
 is acceptable; pins and state dicts gather exactly), and ``strategy.write_back(u)``
 replaces :meth:`UnitGatherer.write_back`.
 
+``torch_autocast`` (engine/autocast.py, "Stage-3 gathers"): a gather for compute of a unit
+holding parameters of ``lower_precision_safe_modules`` carries those in the autocast dtype
+(:class:`~zero_core.engine.autocast.MixedGather`: rounded, widened back) — a persistent
+unit only until its first release; other gathers are exact, and a unit still holding a
+rounded gather is gathered again exactly for them when no forward runs it.
+
 Live accounting: ``live_numel`` counts the elements of non-persistent units that are
 gathered or in flight (the window bounded by ``stage3_max_live_parameters``); persistent
 units are counted separately (``persistent_numel``).
@@ -32,6 +38,7 @@ from contextlib import contextmanager
 
 import torch
 
+from zero_core.engine.autocast import mixed_gather
 from zero_core.interfaces.communicator import Communicator
 from zero_core.interfaces.engine_parts import ParamSourceProtocol
 from zero_core.stage3 import partitioned_params as pp
@@ -70,6 +77,22 @@ class UnitGatherer:
         # indices of units released since the coordinator's last prefetch scan
         # (coordinator._prefetch); a set, so it stays bounded when nobody scans
         self.released_since_scan: set[int] = set()
+        # torch_autocast: per unit its MixedGather (None: plain), the units whose gathered
+        # values are rounded, the persistent units released once (exact from then on)
+        self._lower: dict[int, object] = {}
+        self._rounded: set[int] = set()
+        self._exact_persistent: set[int] = set()
+
+    def _lower_plan(self, u: FetchUnit, part_dtype: torch.dtype):
+        """*u*'s MixedGather when this gather carries some parameters in a lower dtype."""
+        if (not self.for_compute or self.comm.world_size == 1
+                or u.index in self._exact_persistent):
+            return None
+        if u.index not in self._lower:
+            spans = [(off, pp.meta_of(p).numel, p) for p, off in zip(u.params, u.offsets)]
+            self._lower[u.index] = mixed_gather(self.comm, spans, u.padded_numel, part_dtype,
+                                                self.comm.rank)
+        return self._lower[u.index]
 
     def _count(self, u: FetchUnit, sign: int) -> None:
         if u.persistent:
@@ -96,10 +119,14 @@ class UnitGatherer:
         else:
             part = self.part_source.fetch(u)   # on the compute device
             full = torch.empty(u.padded_numel, dtype=part.dtype, device=part.device)
+            lower = self._lower_plan(u, part.dtype)
             if self.comm.world_size == 1:
                 full.copy_(part)
                 handle = None
                 self.part_source.fetched(u)
+            elif lower is not None:
+                handle = lower.launch(self.comm, part, full)
+                self._rounded.add(u.index)
             else:
                 handle = self.comm.all_gather_into(full, part, async_op=True)
         u.mark_inflight(full, handle)
@@ -108,6 +135,10 @@ class UnitGatherer:
 
     def wait(self, u: FetchUnit) -> None:
         """Make *u*'s parameters available (starting its gather if needed)."""
+        exact = (not self.for_compute and u.index in self._rounded and not u.active
+                 and not u.pinned_for_backward)
+        if exact:  # rounded for compute, wanted exact (module docstring)
+            self.release(u)
         if u.state is UnitState.GATHERED:
             return
         if u.released:
@@ -142,6 +173,9 @@ class UnitGatherer:
         if u.full is not None:
             self.live_storage.pop(u.full.untyped_storage().data_ptr(), None)
         u.mark_released()
+        self._rounded.discard(u.index)
+        if u.persistent:
+            self._exact_persistent.add(u.index)
         self._count(u, -1)
         self.released_since_scan.add(u.index)
 
