@@ -18,9 +18,10 @@ its new values are written to the parameters (stage 3) or the all-gather send bu
 
 What differs from DeepSpeed, and why:
 
-* DeepSpeed reads ``ratio`` at stage 3 only (stages 1-2 ignore it: everything offloaded).
-  Here the offloaded optimizer is one class for stages 1-3, so the split applies at every
-  offload stage: a DeepSpeed config runs unchanged, with less on the host at stages 1-2.
+* DeepSpeed 0.19.8 takes ``ratio`` < 1 at stage 3 only (it refuses it at stages 1-2 when the
+  config is checked). Here the offloaded optimizer is one class for stages 1-3, so the split
+  applies at every offload stage (tests/test_offload_partial_deepspeed.py compares all three
+  with DeepSpeed's own runs).
 * DeepSpeed's device sub-groups are stepped by ``torch.optim.AdamW`` whatever the configured
   optimizer; here by the configured rule (Adam, AdamW or SGD), so the numbers do not depend
   on ``ratio``: the split changes where each element is stepped, never how.

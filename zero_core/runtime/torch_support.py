@@ -17,8 +17,9 @@ generic ``torch.Event`` (asynchronous checkpoint saves), ``_foreach_norm(..., dt
 torch's fused Adam/AdamW/SGD on CPU tensors (since 2.4; the cpu kernel set),
 ``torch.serialization.add_safe_globals`` (since 2.4). Missing in 2.4 and shimmed here:
 ``torch.serialization.safe_globals`` (2.5; DeepSpeed checkpoint loading). Missing in 2.4 and
-needed only by the example device examples/vdev: ``torch.accelerator`` (2.6) and the C++
-PrivateUse1 hooks/guard interfaces it overrides (vdev builds on 2.8 and 2.13, not on 2.4).
+needed only by the example device examples/vdev: ``torch.accelerator`` (2.6) and
+device-aware ``Tensor.pin_memory()`` (2.4's means CUDA): vdev compiles on 2.4 (one guard in
+its csrc/vdev.cpp) but runs on 2.8 and newer.
 """
 from __future__ import annotations
 
