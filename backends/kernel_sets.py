@@ -12,37 +12,58 @@ xpu        as cuda (torch's fused ops have XPU kernels)
 hpu        ``accel_kernels.optim_hpu`` (Habana's fused optimizers,
            ``habana_frameworks.torch.hpex.optimizers.FusedAdamW`` / ``FusedSGD``) when
            habana_frameworks is installed; else the reference kernels
+ipex       ``accel_kernels.optim_ipex`` (IPEX's fused ``adam_fused_step`` / ``sgd_fused_step``,
+           each kind checked against the reference kernels on its first call, optim_cpu's
+           kernels where the check fails); registered only where ipex.state() says an
+           IPEX matching this torch is installed
 =========  ==================================================================================
 
 Quantization (ZeRO++): every set also carries ``quantize``, ``dequantize`` and
 ``dequantize_reduce_requantize`` in its ``extra`` dict (signatures and wire format:
-``accel_kernels.quant_layout``), from ``quant_cpu`` (cpu), ``quant_triton`` (cuda, xpu; when
+``accel_kernels.quant_layout``), from ``quant_cpu`` (cpu, ipex), ``quant_triton`` (cuda, xpu; when
 triton is installed), ``quant_hpu`` (hpu) or ``quant_reference`` (reference, and the
 fallback of the others); ``info["quantize"]`` names the module, and for ``quant_cpu``
 ``info["quantize_path"]`` says whether its compiled C library or its torch path runs (with
 ``info["quantize_native_missing"]``: why not native). The engine reaches them only
 through ``runtime.kernels.extra``.
 
-IPEX (Intel Extension for PyTorch): where it is installed, the cpu set's ``info["ipex"]``
-says whether it matches this torch (``backends/accelerators/ipex.py``; a mismatched IPEX is
-refused unimported, with the reason). The cpu set keeps torch's fused ops either way: IPEX
-2.8's fused Adam (``torch.ops.torch_ipex.adam_fused_step``; it has no AdamW op) runs at the
-same memory bandwidth (ci/bench/ipex_kernels.py), and importing IPEX costs seconds.
+IPEX (Intel Extension for PyTorch). Where it is installed, the cpu set's ``info["ipex"]`` says
+whether it matches this torch (``backends/accelerators/ipex.py``; a mismatched IPEX is refused
+unimported, with the reason). Only a matching IPEX gets an ``ipex`` set: without one there is
+nothing to back it, and unlike ``hpu`` (the hpu accelerator's own set, which must always
+exist) no accelerator names it, so it is absent rather than a fallback. The ``cpu`` set —
+what the cpu accelerator and every offloaded optimizer step with — stays on torch's fused ops
+by default: measured at 50M elements (ci/bench/ipex_kernels.py; docs/benchmarks.md, "IPEX
+kernels"), IPEX's Adam is on par with them (0.92-1.17x their step time over six runs on a
+shared machine), its AdamW is slower in every run (1.08-1.58x: there is no AdamW op, the
+decoupled decay is an extra pass), its bf16 copy is no faster (its one-pass bf16 output is
+only written for a bf16 gradient; with the interface's fp32 gradient it is ignored, so both
+sets round in a second pass), and importing IPEX costs seconds per rank and replaces some of
+torch's own CPU kernels. ``ZERO_CORE_CPU_KERNELS=ipex`` (environment, read when the registry
+loads) makes the ``cpu`` set the IPEX kernels instead (``info["selected_by"]`` says so) and
+imports IPEX right then, before any model runs: imported at the first optimizer step, it
+changed the rounding of the forward passes after it, and offloaded training was no longer
+bit-identical to training without offload (tests/test_offload_engine.py, measured). Where no
+matching IPEX is installed, or it fails to import, the variable is answered with a warning and
+the cpu kernels stay, with the reason in ``info["ipex"]``. ``ZERO_CORE_CPU_KERNELS=cpu`` (or
+unset) is the default.
 
 There is no Triton optimizer kernel: torch's fused ops already read and write each buffer
 once per step. Each KernelSet's ``info`` names the functions that back it and, for a
 fallback, why; ``zero-core report`` prints it. Modules that need a vendor library (triton,
-habana_frameworks) are only located here and imported on the first call, so registering
-the kernel sets costs nothing on machines without that library.
+habana_frameworks, IPEX) are only located here and import it on their first call, so
+registering the kernel sets costs nothing on machines without that library (and imports
+IPEX only where ``ZERO_CORE_CPU_KERNELS=ipex`` selects it).
 """
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 
 import torch
 
-from zero_core.errors import PluginError
+from zero_core.errors import ConfigError, PluginError
 from zero_core.interfaces.accelerator import module_present
 from zero_core.interfaces.kernels import KernelSet
 
@@ -56,12 +77,17 @@ REFERENCE = f"{PACKAGE}.optim_reference"
 CPU = f"{PACKAGE}.optim_cpu"
 FUSED = f"{PACKAGE}.optim_fused"
 HPU = f"{PACKAGE}.optim_hpu"
+IPEX = f"{PACKAGE}.optim_ipex"
 QUANT_REFERENCE = f"{PACKAGE}.quant_reference"
 QUANT_CPU = f"{PACKAGE}.quant_cpu"
 QUANT_TRITON = f"{PACKAGE}.quant_triton"
 QUANT_HPU = f"{PACKAGE}.quant_hpu"
 #: the quantization kernels every set carries in ``KernelSet.extra``
 QUANT_KERNELS = ("quantize", "dequantize", "dequantize_reduce_requantize")
+
+#: the environment variable that picks what backs the ``cpu`` kernel set, and its values
+CPU_KERNELS_ENV = "ZERO_CORE_CPU_KERNELS"
+CPU_KERNELS_CHOICES = ("cpu", "ipex")
 
 TORCH_FUSED = "torch fused ops (torch._fused_adam_ / torch._fused_adamw_ / torch._fused_sgd_)"
 
@@ -174,24 +200,77 @@ def _device_set(name: str, reference) -> KernelSet:
                      info={"implementation": TORCH_FUSED, **_names(FUSED)}, skips_on_device=True)
 
 
+def _cpu_choice() -> str:
+    """What ``ZERO_CORE_CPU_KERNELS`` asks the cpu set to be ("cpu" when unset)."""
+    choice = os.environ.get(CPU_KERNELS_ENV, "").strip().lower() or "cpu"
+    if choice not in CPU_KERNELS_CHOICES:
+        raise ConfigError(f"{CPU_KERNELS_ENV}={os.environ[CPU_KERNELS_ENV]!r} is not a CPU "
+                          f"kernel choice; use one of {', '.join(CPU_KERNELS_CHOICES)} (ipex: "
+                          f"IPEX's fused optimizer ops, where a matching "
+                          f"intel-extension-for-pytorch is installed) or unset it")
+    return choice
+
+
+def _ipex_set() -> tuple[KernelSet | None, str]:
+    """(the ipex set, the ipex line) — the set only where a matching IPEX is installed."""
+    kind, why = ipex.state()
+    if kind != "ok":
+        return None, why
+    mod, failed = _import_kernels(IPEX)
+    if mod is None:
+        return None, f"{why}, but {failed}"
+    ks = _with_quant(KernelSet("ipex", mod.adam_step, mod.sgd_step, info={
+        "implementation": _summary(mod), **_names(IPEX), "ipex": why,
+        "self-check": "each kind (adam, adamw, sgd; per low-precision dtype) is checked "
+                      "against optim_reference on its first call and runs optim_cpu's "
+                      "kernels if IPEX's op disagrees (the path lines below, once stepped)"},
+        skips_on_device=True), QUANT_CPU)
+    mod.report_into(ks.info)  # the self-check verdicts appear in info as they are reached
+    return ks, why
+
+
+def _cpu_sets(reference) -> tuple[KernelSet, KernelSet | None]:
+    """(the cpu set, the ipex set or None); ZERO_CORE_CPU_KERNELS picks what backs cpu."""
+    choice = _cpu_choice()
+    ipex_set, ipex_why = _ipex_set()
+    if choice == "ipex" and ipex_set is not None:
+        # selected: IPEX is imported now, before any model runs, because its import replaces
+        # some of torch's CPU kernels; imported at the first step it would change the
+        # forward passes' rounding in the middle of a run
+        mod = importlib.import_module(IPEX)
+        if mod.load_ops() is not None:
+            cpu = KernelSet("cpu", ipex_set.adam_step, ipex_set.sgd_step,
+                            info={**ipex_set.info, "selected_by": f"{CPU_KERNELS_ENV}=ipex"},
+                            extra=ipex_set.extra, skips_on_device=True)
+            mod.report_into(cpu.info)
+            return cpu, ipex_set
+        ipex_why = mod.load_error()
+    if choice == "ipex":
+        warnings.warn(f"zero-core: {CPU_KERNELS_ENV}=ipex, but {ipex_why}; the cpu kernel set "
+                      f"keeps torch's fused ops", RuntimeWarning, stacklevel=3)
+    ipex_info = {} if ipex.state()[0] == "absent" else {"ipex": ipex_why}
+    cpu, why = _import_kernels(CPU)
+    if cpu is not None:
+        cpu_set = KernelSet("cpu", cpu.adam_step, cpu.sgd_step, info={
+            "implementation": _summary(cpu), **_names(CPU), **ipex_info}, skips_on_device=True)
+    else:
+        cpu_set = _reference_set("cpu", reference, fallback_reason=why, **ipex_info)
+    return _with_quant(cpu_set, QUANT_CPU), ipex_set
+
+
 def builtin_kernel_sets() -> list[KernelSet]:
-    """The kernel sets the built-in plugin contributes: reference, cpu, cuda, xpu, hpu."""
+    """The kernel sets the built-in plugin contributes: reference, cpu, cuda, xpu, hpu, and
+    ipex where a matching IPEX is installed."""
     reference, why = _import_kernels(REFERENCE)
     if reference is None:
         raise PluginError(f"the reference optimizer kernels cannot be loaded: {why}. They are "
                           f"part of zero-core itself: reinstall it (pip install -e .)")
     sets = [_with_quant(_reference_set("reference", reference), QUANT_REFERENCE)]
 
-    cpu, why = _import_kernels(CPU)
-    ipex_kind, ipex_why = ipex.state()
-    ipex_info = {} if ipex_kind == "absent" else {"ipex": ipex_why}
-    if cpu is not None:
-        sets.append(_with_quant(KernelSet("cpu", cpu.adam_step, cpu.sgd_step, info={
-            "implementation": _summary(cpu), **_names(CPU), **ipex_info},
-            skips_on_device=True), QUANT_CPU))
-    else:
-        sets.append(_with_quant(_reference_set("cpu", reference, fallback_reason=why,
-                                               **ipex_info), QUANT_CPU))
+    cpu_set, ipex_set = _cpu_sets(reference)
+    sets.append(cpu_set)
+    if ipex_set is not None:
+        sets.append(ipex_set)
 
     sets.append(_with_quant(_device_set("cuda", reference), *_device_quant_module()))
     sets.append(_with_quant(_device_set("xpu", reference), *_device_quant_module()))

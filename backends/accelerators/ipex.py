@@ -7,7 +7,8 @@ attribute 'exit'`` (IPEX 2.8.0 beside torch 2.13.0, measured), after having regi
 of its kernels. So the installed version is read from the package metadata first and IPEX is
 imported only when its major.minor equals torch's; otherwise it is refused with the reason
 (``zero-core report`` shows it: xpu's availability and the cpu kernel set's ``ipex`` line)
-and never imported.
+and never imported. :func:`state` is also what decides whether the ``ipex`` kernel set
+(``backends/kernel_sets.py``) exists.
 """
 from __future__ import annotations
 

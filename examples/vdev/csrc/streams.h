@@ -326,7 +326,9 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
   static c10::Device indexed(c10::Device d) {
     return d.has_index() ? d : c10::Device(c10::DeviceType::PrivateUse1, t_current_device);
   }
-  c10::Stream getStream(c10::Device d) const override {
+  // noexcept: torch 2.4 declares getStream / exchangeStream noexcept, later releases do
+  // not (a stricter override is valid there); neither can throw here
+  c10::Stream getStream(c10::Device d) const noexcept override {
     d = indexed(d);
     return c10::Stream(c10::Stream::UNSAFE, d, current_stream(d.index()));
   }
@@ -346,7 +348,7 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
     std::lock_guard<std::recursive_mutex> lock(ds.mu);
     return c10::Stream(c10::Stream::UNSAFE, d, ds.next_new++);
   }
-  c10::Stream exchangeStream(c10::Stream s) const override {
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override {
     const c10::Stream old = getStream(s.device());
     t_current_stream[device_of(s)] = s.id();
     return old;
@@ -377,7 +379,8 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
     std::lock_guard<std::recursive_mutex> lock(ds.mu);
     complete_stream(ds, s.id());
   }
-  void synchronizeDevice(const c10::DeviceIndex index) const override {
+  // VDEV_OVERRIDE_SINCE_2_8: see the version guard in vdev.cpp (torch 2.4 has no such hook)
+  void synchronizeDevice(const c10::DeviceIndex index) const VDEV_OVERRIDE_SINCE_2_8 {
     const int device = index < 0 ? t_current_device : index;
     note_sync(device, SyncKind::kWait, "device synchronize");
     auto& ds = g_streams[device];

@@ -34,6 +34,30 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
+#include <torch/version.h>
+
+// ---- the one torch-version guard ------------------------------------------------------
+// vdev compiles against torch 2.4 to 2.13 (zero_core/runtime/torch_support.py's range;
+// built with 2.4.1, 2.8.0 and 2.13.0, the releases in between are untested). The backend
+// interfaces it implements grew after 2.4: AcceleratorHooksInterface gained isBuilt /
+// isAvailable / isPinnedPtr / getNewGenerator and a const getDefaultGenerator (2.4 has
+// PrivateUse1HooksInterface's non-const one only), DeviceGuardImplInterface gained
+// synchronizeDevice. A member the base does not declare cannot be marked `override`, so
+// those members carry VDEV_OVERRIDE_SINCE_2_8: `override` on torch >= 2.8 (the compiler
+// checks that they still override), nothing before (on 2.4 they are extra members torch
+// never calls; where a release before 2.8 declares one, it overrides without the keyword).
+// torch 2.4's getDefaultGenerator signature is added for torch < 2.8 only.
+// Built is not all there is: on torch 2.4, Tensor.pin_memory() / is_pinned() without a
+// device mean CUDA, and torch.accelerator (vdev's stream API in runtime.py) does not exist,
+// so vdev's pinned memory and streams, and the engine on vdev, need torch >= 2.8
+// (ci/torch_range.sh's oldest leg compiles vdev, then runs its subset without it).
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+#define VDEV_OVERRIDE_SINCE_2_8 override
+#define VDEV_TORCH_BEFORE_2_8 0
+#else
+#define VDEV_OVERRIDE_SINCE_2_8
+#define VDEV_TORCH_BEFORE_2_8 1
+#endif
 
 #include <algorithm>
 #include <array>
@@ -238,14 +262,19 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, GuardImpl);
 // hooks: what ATen asks of a PrivateUse1 backend (pinned memory, generators, pointers)
 
 struct Hooks final : at::PrivateUse1HooksInterface {
-  bool isBuilt() const override { return true; }
-  bool isAvailable() const override { return true; }
+  bool isBuilt() const VDEV_OVERRIDE_SINCE_2_8 { return true; }
+  bool isAvailable() const VDEV_OVERRIDE_SINCE_2_8 { return true; }
   // vdev draws random numbers from the host's generator (its kernels are the CPU's),
   // so torch.manual_seed() seeds it and CPU and vdev runs draw the same numbers.
-  const at::Generator& getDefaultGenerator(c10::DeviceIndex) const override {
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex) const VDEV_OVERRIDE_SINCE_2_8 {
     return at::detail::getDefaultCPUGenerator();
   }
-  at::Generator getNewGenerator(c10::DeviceIndex) const override {
+#if VDEV_TORCH_BEFORE_2_8  // torch 2.4's (non-const) signature of the same hook
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex) {
+    return at::detail::getDefaultCPUGenerator();
+  }
+#endif
+  at::Generator getNewGenerator(c10::DeviceIndex) const VDEV_OVERRIDE_SINCE_2_8 {
     return at::detail::createCPUGenerator();
   }
   at::Device getDeviceFromPtr(void* data) const override {
@@ -255,7 +284,7 @@ struct Hooks final : at::PrivateUse1HooksInterface {
                 " is not the start of a vdev allocation");
     return c10::Device(c10::DeviceType::PrivateUse1, it->second.device);
   }
-  bool isPinnedPtr(const void* data) const override { return is_pinned_ptr(data); }
+  bool isPinnedPtr(const void* data) const VDEV_OVERRIDE_SINCE_2_8 { return is_pinned_ptr(data); }
   c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
