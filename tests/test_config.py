@@ -29,7 +29,7 @@ def test_defaults():
     cfg = parse_config(None, world_size=3)
     assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
             cfg.train_batch_size) == (1, 1, 3)
-    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10
+    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 10  # DeepSpeed 0.19's
     assert not cfg.wall_clock_breakdown
     assert cfg.fp16 == config_module.FP16Config(enabled=False, loss_scale=0.0,
                                                 initial_scale_power=16, loss_scale_window=1000,

@@ -61,7 +61,7 @@ PROBES: dict[str, tuple[dict, object]] = {
     "train_batch_size": ({"train_micro_batch_size_per_gpu": 1}, 8),
     "train_micro_batch_size_per_gpu": ({"gradient_accumulation_steps": 1}, 2),
     "gradient_accumulation_steps": ({"train_micro_batch_size_per_gpu": 1}, 2),
-    "gradient_clipping": ({}, 1.0),
+    "gradient_clipping": ({}, 0.0),  # off; absent is DeepSpeed's 1.0
     "steps_per_print": ({}, 3),
     "wall_clock_breakdown": ({}, True),
     "bfloat16.enabled": ({}, True),

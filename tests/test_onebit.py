@@ -288,6 +288,7 @@ def test_single_rank_is_adam_with_frozen_variance():
     ref = [p.detach().double().clone() for p in model.parameters()]
     engine, opt, _, _ = zero_core.initialize(model=model, config={
         "train_batch_size": 4, "zero_optimization": {"stage": 0},
+        "gradient_clipping": 0.0,   # the float64 reference steps unclipped
         "optimizer": {"type": "OneBitAdam", "params": {"lr": 0.05, "freeze_step": 2,
                                                        "betas": [0.8, 0.9]}}})
     m = [torch.zeros_like(p) for p in ref]
@@ -441,6 +442,7 @@ def test_single_rank_zero_one_adam_skips_the_momentum_on_1bit_steps():
     lr, b1, b2, eps, wd, freeze = 0.05, 0.8, 0.9, 1e-8, 0.01, 6
     engine, _, _, _ = zero_core.initialize(model=model, config={
         "train_batch_size": 4, "zero_optimization": {"stage": 0},
+        "gradient_clipping": 0.0,   # the float64 reference steps unclipped
         "optimizer": {"type": "ZeroOneAdam", "params": {
             "lr": lr, "betas": [b1, b2], "eps": eps, "weight_decay": wd,
             "var_freeze_step": freeze, "var_update_scaler": 1, "local_step_scaler": 1,

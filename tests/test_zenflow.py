@@ -58,7 +58,7 @@ def step_inputs(seed: int, step: int, rank: int, cols: bool = False):
 
 def config(zf: dict | None, stage: int = 2, accelerator: str | None = None,
            bf16: bool = False) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": 1,
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,  # the rules: unclipped
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                      "weight_decay": WD}},
            "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"},

@@ -237,7 +237,7 @@ class DSNet(torch.nn.Module):
 def ds_run(case: dict, rank: int = 0) -> list:
     """zero-core on the fixture's model, data and settings (gradient_clipping 0 both)."""
     h = json.load(open(FIXTURE))["hyper"]
-    cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10 ** 6,
+    cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10 ** 6, "gradient_clipping": 0.0,
            "optimizer": {"type": "AdamW", "params": {k: h[k] for k in
                                                      ("lr", "betas", "eps", "weight_decay")}},
            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},

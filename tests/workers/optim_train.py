@@ -271,6 +271,7 @@ def train_lamb(stage: int, steps: int = 4, seed: int = 11, bucket: int = 100, **
     model, ref = make_net(seed), make_net(seed, torch.float64)
     params = {k: v for k, v in LAMB.items()}
     cfg = {"train_micro_batch_size_per_gpu": MICRO,
+           "gradient_clipping": 0.0,   # the reference steps unclipped
            "optimizer": {"type": "Lamb", "params": {**params, "betas": list(params["betas"])}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
                                  "stage3_param_persistence_threshold": 0,

@@ -14,7 +14,7 @@ key                                                               default       
 train_batch_size                                                  derived       micro × accumulation × world size
 train_micro_batch_size_per_gpu                                    derived / 1   samples per rank per forward
 gradient_accumulation_steps                                       derived / 1   micro-batches per optimizer step
-gradient_clipping                                                 0.0           max global L2 grad norm; 0 = off
+gradient_clipping                                                 1.0           max global L2 grad norm (DeepSpeed 0.19's default); 0 = off
 steps_per_print                                                   10            integer >= 1, or inf (never; Accelerate):
                                                                                 rank 0's "step=N, skipped, lr, mom" line
                                                                                 every N steps (engine/timers.py)

@@ -535,7 +535,7 @@ def parse_config(config: Any = None, world_size: int = 1) -> Config:
         train_batch_size=tb,
         train_micro_batch_size_per_gpu=mb,
         gradient_accumulation_steps=ga,
-        gradient_clipping=top.get("gradient_clipping", 0.0, _as_float, lo=0.0),
+        gradient_clipping=top.get("gradient_clipping", 1.0, _as_float, lo=0.0),
         optimizer=_parse_optimizer(top.raw.get("optimizer")),
         scheduler=_parse_scheduler(top.raw.get("scheduler")),
         zero_optimization=_parse_zero(top.raw.get("zero_optimization"), world_size),

@@ -331,7 +331,7 @@ class Config:
     train_batch_size: int
     train_micro_batch_size_per_gpu: int
     gradient_accumulation_steps: int
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0  # DeepSpeed 0.19's default; 0 = off
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     optimizer: OptimizerConfig | None = None

@@ -110,13 +110,13 @@ def apply_trainer_settings(config: dict, trainer) -> None:
         raise ConfigError("Trainer(gradient_clip_algorithm='value') is not supported by "
                           "zero-core: the engine clips by the global norm; use "
                           "gradient_clip_algorithm='norm'")
-    clip = trainer.gradient_clip_val
-    if clip is not None and float(clip) > 0:
-        if _explicit(config.get("gradient_clipping")) and float(config["gradient_clipping"]) != float(clip):
-            raise ConfigError(
-                f"Trainer(gradient_clip_val={clip}) contradicts the config's gradient_clipping="
-                f"{config['gradient_clipping']}: keep one of them")
-        config["gradient_clipping"] = float(clip)
+    clip = max(float(trainer.gradient_clip_val or 0.0), 0.0)  # Lightning: None/0 = no clipping
+    explicit = _explicit(config.get("gradient_clipping"))
+    if clip > 0 and explicit and float(config["gradient_clipping"]) != clip:
+        raise ConfigError(f"Trainer(gradient_clip_val={clip}) contradicts the config's "
+                          f"gradient_clipping={config['gradient_clipping']}: keep one of them")
+    if clip > 0 or not explicit:  # as Lightning's DeepSpeedStrategy: 0.0, not the key's 1.0
+        config["gradient_clipping"] = clip
 
 
 def loader_batch_size(trainer) -> int | None:

@@ -46,7 +46,7 @@ host update DeepSpeed's parameters hold the host's values in the selected elemen
 and 1-D parameters) until its next device step puts the device's back, so the forward of
 that next step computes with them; its 1-rank run, and this module on any number of ranks,
 keep the device's values (the rule). Clipping differs by construction: DeepSpeed (default
-``gradient_clipping`` 1.0 in 0.19.8, 0 in zero-core) clips the host step's window mean by
+``gradient_clipping`` 1.0 in 0.19.8, as in zero-core) clips the host step's window mean by
 that mean's norm and steps the selected columns on the unclipped gradient; here every step's
 gradient is clipped by its own norm (``grad_factor``) for both.
 

@@ -13,7 +13,7 @@ key                                                     value (``TrainingArgumen
 train_micro_batch_size_per_gpu                          per_device_train_batch_size
 gradient_accumulation_steps                             gradient_accumulation_steps
 train_batch_size                                        world_size × micro batch × accumulation
-gradient_clipping                                       max_grad_norm
+gradient_clipping                                       max_grad_norm (None or <= 0: 0.0, off)
 optimizer.params.lr / betas / eps / weight_decay        learning_rate / [adam_beta1, adam_beta2] /
                                                         adam_epsilon / weight_decay
 scheduler.params.warmup_min_lr                          0 (never compared)
@@ -157,6 +157,14 @@ def fill_auto_values(config: dict, args, model=None, num_training_steps: int | N
     return f.config
 
 
+def trainer_clipping(args) -> float:
+    """The HF Trainer's clipping as a ``gradient_clipping`` value: ``max_grad_norm``, where
+    None or <= 0 (the Trainer's "do not clip") is written 0.0, as DeepSpeed's (and so
+    zero-core's) default for an absent key is 1.0."""
+    norm = args.max_grad_norm
+    return float(norm) if norm is not None and norm > 0 else 0.0
+
+
 def _fill_from_arguments(f: _Filler, args) -> None:
     """transformers' trainer_config_process: what TrainingArguments alone decide."""
     micro = args.per_device_train_batch_size
@@ -170,7 +178,7 @@ def _fill_from_arguments(f: _Filler, args) -> None:
     f.fill("train_batch_size", args.world_size * micro * accumulation,
            "world_size*per_device_train_batch_size*gradient_accumulation_steps"
            if batch_checked else None)
-    f.fill("gradient_clipping", args.max_grad_norm, "max_grad_norm")
+    f.fill("gradient_clipping", trainer_clipping(args), "max_grad_norm")
     f.fill("optimizer.params.lr", args.learning_rate, "learning_rate")
     f.fill("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "[adam_beta1, adam_beta2]")
     f.fill("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")

@@ -39,7 +39,7 @@ from zero_core.checkpoint import store
 from zero_core.checkpoint.resume import accumulation_keeping, saved_global_batch
 from zero_core.config import read_config
 from zero_core.errors import ConfigError
-from zero_core.integrations.transformers.auto_values import fill_auto_values
+from zero_core.integrations.transformers.auto_values import fill_auto_values, trainer_clipping
 
 
 class UnsupportedTrainerFeature(ConfigError):
@@ -130,7 +130,7 @@ def engine_config(raw: dict, args, model, num_training_steps: int) -> dict:
     config = fill_auto_values(raw, args, model=model, num_training_steps=num_training_steps)
     config.setdefault("train_micro_batch_size_per_gpu", args.per_device_train_batch_size)
     config.setdefault("gradient_accumulation_steps", args.gradient_accumulation_steps)
-    config.setdefault("gradient_clipping", args.max_grad_norm)
+    config.setdefault("gradient_clipping", trainer_clipping(args))
     # accelerate's DeepSpeed plugin adds these sections from the Trainer's mixed precision
     for section, wanted in (("fp16", bool(args.fp16)), ("bf16", bool(args.bf16))):
         if wanted and section not in config and not (section == "bf16" and "bfloat16" in config):
