@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import torch
@@ -191,24 +189,10 @@ def rank_main(name: str, out: str) -> None:
     dist.barrier()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(name: str, work: str) -> dict:
-    port = _free_port()
+    from ds_launch import run_ranks
     out = os.path.join(work, f"{name}.json")
-    procs = []
-    for rank in range(RANKS):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(RANKS), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank", name, out], env=env))
-    codes = [p.wait(timeout=900) for p in procs]
-    if any(codes):
-        raise SystemExit(f"case {name}: ranks exited with {codes}")
+    run_ranks(__file__, ["--rank", name, out], RANKS, f"case {name}")
     with open(out) as fh:
         return json.load(fh)
 

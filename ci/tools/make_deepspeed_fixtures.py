@@ -35,9 +35,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import struct
-import subprocess
 import sys
 
 import torch
@@ -199,24 +197,10 @@ def rank_main(stage: int, precision: str, out: str) -> None:
 
 
 # ---- the driver ----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(stage: int, precision: str, work: str) -> None:
-    port = _free_port()
-    procs = []
-    for rank in range(RANKS):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(RANKS), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank", str(stage), precision,
-                                       work], env=env))
-    codes = [p.wait(timeout=900) for p in procs]
-    if any(codes):
-        raise SystemExit(f"case {case_name(stage, precision)}: ranks exited with {codes}")
+    from ds_launch import run_ranks
+    run_ranks(__file__, ["--rank", str(stage), precision, work], RANKS,
+              f"case {case_name(stage, precision)}")
 
 
 def write_safetensors(path: str, tensors: dict, metadata: dict) -> None:

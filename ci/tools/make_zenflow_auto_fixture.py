@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import torch
@@ -194,23 +192,9 @@ def unpatched_first_grad_finite() -> bool:
     return finite
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: list[str], world: int) -> None:
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-        procs.append(subprocess.Popen([sys.executable, __file__] + args, env=env))
-    codes = [p.wait(timeout=900) for p in procs]
-    if any(codes):
-        raise SystemExit(f"{args}: ranks exited with {codes}")
+    from ds_launch import run_ranks
+    run_ranks(__file__, args, world, str(args))
 
 
 def main(argv=None) -> int:

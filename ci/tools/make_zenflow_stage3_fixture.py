@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import struct
-import subprocess
 import sys
 
 import torch
@@ -126,25 +124,14 @@ def _rank(update_interval: int, out: str) -> None:
             json.dump(history, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(names: list[str]) -> None:
+    from ds_launch import run_ranks
     fixture = json.load(open(OUT)) if os.path.exists(OUT) else {}
     fixture["cases"] = fixture.get("cases", {})
     for name in names:
         world, u = CASES[name]
-        out, port = f"/tmp/zenflow_stage3_{name}.json", _free_port()
-        procs = [subprocess.Popen(
-            [sys.executable, __file__, "--rank", str(u), out],
-            env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                 "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}) for r in range(world)]
-        if any(p.wait(timeout=600) for p in procs):
-            raise SystemExit(f"{name}: a rank failed")
+        out = f"/tmp/zenflow_stage3_{name}.json"
+        run_ranks(__file__, ["--rank", str(u), out], world, name, timeout=600)
         history = json.load(open(out))
         fixture["cases"][name] = {"world_size": world, "update_interval": u, "steps": history}
         print(name, "recorded")

@@ -131,7 +131,37 @@ class StaticLossScaler(_LossScaler):
         self._scale = float(state["scale"])
 
 
-class DynamicLossScaler(_LossScaler):
+class _DeviceStateScaler(_LossScaler):
+    """A dynamic scaler whose state is one float64 tensor on the device (exact counts up to
+    2**53): ``[scale, <the rule's own counters>..., steps, overflows]``; read on the host only
+    for reports and checkpoints."""
+
+    _state: torch.Tensor
+
+    def to(self, device):
+        self._state = self._state.to(device)
+        return self
+
+    @property
+    def scale(self) -> float:
+        return float(self._state[0])
+
+    loss_scale = scale
+
+    @property
+    def current(self) -> torch.Tensor:
+        return self._state[0]
+
+    @property
+    def steps(self) -> int:
+        return int(self._state[-2])
+
+    @property
+    def overflows(self) -> int:
+        return int(self._state[-1])
+
+
+class DynamicLossScaler(_DeviceStateScaler):
     """DeepSpeed's dynamic loss scale (see the module docstring for the rules).
 
     Arguments: ``initial_scale`` (the first scale, ``2**initial_scale_power``),
@@ -179,20 +209,9 @@ class DynamicLossScaler(_LossScaler):
         self.underflow = torch.zeros((), dtype=torch.float64)
 
     def to(self, device) -> "DynamicLossScaler":
-        self._state = self._state.to(device)
+        super().to(device)
         self.underflow = self.underflow.to(device)
         return self
-
-    # the state, read on the host (a copy from the device: for reports and checkpoints)
-    @property
-    def scale(self) -> float:
-        return float(self._state[0])
-
-    loss_scale = scale
-
-    @property
-    def current(self) -> torch.Tensor:
-        return self._state[0]
 
     @property
     def hysteresis_left(self) -> int:
@@ -201,14 +220,6 @@ class DynamicLossScaler(_LossScaler):
     @property
     def good_steps(self) -> int:
         return int(self._state[2])
-
-    @property
-    def steps(self) -> int:
-        return int(self._state[3])
-
-    @property
-    def overflows(self) -> int:
-        return int(self._state[4])
 
     def update_on_device(self, overflow: torch.Tensor) -> None:
         """Adapt the scale after one optimizer step; *overflow* (a 0-dim bool tensor on the
@@ -262,7 +273,7 @@ class DynamicLossScaler(_LossScaler):
         self._state.copy_(torch.tensor(values, dtype=torch.float64))
 
 
-class GradScalerLossScaler(_LossScaler):
+class GradScalerLossScaler(_DeviceStateScaler):
     """``torch.amp.GradScaler``'s scale (defaults: ``init_scale`` 2**16, ``growth_factor``
     2, ``backoff_factor`` 0.5, ``growth_interval`` 2000), which DeepSpeed 0.19.8 uses for
     ``torch_autocast`` to fp16 with fp32 parameters: an overflow multiplies the scale by
@@ -281,31 +292,9 @@ class GradScalerLossScaler(_LossScaler):
         # [scale, good steps since the last change, steps, overflows] (float64: exact counts)
         self._state = torch.tensor([float(init_scale), 0, 0, 0], dtype=torch.float64)
 
-    def to(self, device) -> "GradScalerLossScaler":
-        self._state = self._state.to(device)
-        return self
-
-    @property
-    def scale(self) -> float:
-        return float(self._state[0])
-
-    loss_scale = scale
-
-    @property
-    def current(self) -> torch.Tensor:
-        return self._state[0]
-
     @property
     def growth_tracker(self) -> int:
         return int(self._state[1])
-
-    @property
-    def steps(self) -> int:
-        return int(self._state[2])
-
-    @property
-    def overflows(self) -> int:
-        return int(self._state[3])
 
     def update_on_device(self, overflow: torch.Tensor) -> None:
         """Adapt the scale after one optimizer step (*overflow*: a 0-dim bool tensor on the
