@@ -8,7 +8,8 @@ is cut by the partition boundary in the middle of a row (checked), so a column's
 two ranks' partial sums, all-reduced, and both ranks must select the same columns; a host
 update applied by ``flush()`` outside a step must reach the next forward although the
 model's units are persistent (kept gathered between steps: the stale copy is told apart).
-``update_interval`` 1 equals plain stage-3 offload bit for bit; a checkpoint resumes bit
+``update_interval`` 1 equals plain stage-3 offload bit for bit (with ``offload_param`` cpu
+and nvme too, and ZenFlow with ``offload_param`` equals ZenFlow without it); a checkpoint resumes bit
 for bit on the same world size and from 1 rank on 2 ranks and back, and from stage 3 at
 stage 2 and back within float32 rounding. DeepSpeed 0.19.8's own stage-3 ZenFlow runs (1 and 2 ranks, update_interval 2
 and 3; tests/fixtures/deepspeed_zenflow_stage3.json, ci/tools/make_zenflow_stage3_fixture.py)
@@ -29,7 +30,6 @@ import torch
 import test_zenflow as zft
 import zero_core
 from test_zenflow import CASES, assert_close, config, reference, step_inputs
-from zero_core.errors import ConfigError
 from zero_core.stage3 import GatheredParameters
 
 #: 2 ranks, fp32: the unit (244 elements, padded to 256) splits at 128 = row 9, column 2 of w1
@@ -52,9 +52,21 @@ def run(engine, seed, first, last, rank=0):
     return out
 
 
-def train3(zf, steps, seed, rank=0, bf16=False, accelerator=None):
+def config3(zf, accelerator=None, bf16=False, param=None, path=None) -> dict:
+    """Stage 3's config; *param*: ``offload_param.device`` ("cpu"/"nvme", files in *path*)."""
+    cfg = config(zf, 3, accelerator, bf16)
+    if param is not None:
+        if param == "nvme":
+            os.makedirs(path, exist_ok=True)
+        cfg["zero_optimization"]["offload_param"] = {"device": param, "nvme_path": str(path),
+                                                     "buffer_count": 4, "buffer_size": 512,
+                                                     "max_in_cpu": 0}
+    return cfg
+
+
+def train3(zf, steps, seed, rank=0, bf16=False, accelerator=None, param=None, path=None):
     engine, *_ = zero_core.initialize(model=zft.Linear(seed),
-                                      config=config(zf, 3, accelerator, bf16))
+                                      config=config3(zf, accelerator, bf16, param, path))
     return engine, run(engine, seed, 1, steps, rank)
 
 
@@ -72,11 +84,31 @@ def test_stage3_follows_the_float64_rules(case):
     engine.destroy()
 
 
-def test_update_interval_one_is_plain_stage3_offload():
+@pytest.mark.parametrize("param", [None, "cpu", "nvme"])
+def test_update_interval_one_is_plain_stage3_offload(tmp_path, param):
+    """... with ``offload_param`` too (the plain offloaded optimizer's write path)."""
     seed = 12
-    _, plain = train3(None, 5, seed)
-    _, got = train3({"update_interval": 1, "topk_ratio": 0.3}, 5, seed)
+    _, plain = train3(None, 5, seed, param=param, path=tmp_path / "a")
+    engine, got = train3({"update_interval": 1, "topk_ratio": 0.3}, 5, seed, param=param,
+                         path=tmp_path / "b")
+    assert (engine.optimizer.param_sink is None) == (param is None)
     assert same(got, plain)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("case,param,bf16", [("overlap_reselect_offload", "cpu", False),
+                                             ("overlap_reselect_offload", "nvme", True),
+                                             ("warmup_reselect", "cpu", True)])
+def test_offload_param_equals_the_run_without(tmp_path, case, param, bf16):
+    """``offload_param``: the partitions ZenFlow updates (device step and host update) are
+    written through the parameter store; bit for bit the run without it, whose parameters
+    are the float64 rules' (test_stage3_follows_the_float64_rules)."""
+    zf, seed = CASES[case], 41
+    _, want = train3(zf, 9, seed, bf16=bf16)
+    engine, got = train3(zf, 9, seed, bf16=bf16, param=param, path=tmp_path)
+    assert not same(got[:1], got[-1:])
+    assert same(got, want)
+    engine.destroy()
 
 
 def test_flush_reaches_the_next_forward_bf16():
@@ -109,20 +141,23 @@ def test_flush_reaches_the_next_forward_bf16():
     assert abs(stale - expect) > 10 * abs(loss - expect) + 1e-3
 
 
-RESUME = [  # (case, save after step, bf16)
-    ("overlap", 5, False),                   # mid-window, the t=4 host update in flight
-    ("overlap_reselect_offload", 6, True),   # bf16, host moments, an update in flight
+RESUME = [  # (case, save after step, bf16, offload_param)
+    ("overlap", 5, False, None),                   # mid-window, the t=4 host update in flight
+    ("overlap_reselect_offload", 6, True, None),   # bf16, host moments, an update in flight
+    ("overlap_reselect_offload", 6, False, "cpu"),  # the partitions in the parameter store
+    ("overlap_reselect_offload", 6, True, "nvme"),  # ... in its files (no host copies)
 ]
 
 
-@pytest.mark.parametrize("case,saved_at,bf16", RESUME)
-def test_resume_equals_the_uninterrupted_run(tmp_path, case, saved_at, bf16):
+@pytest.mark.parametrize("case,saved_at,bf16,param", RESUME)
+def test_resume_equals_the_uninterrupted_run(tmp_path, case, saved_at, bf16, param):
     zf, seed, more = CASES[case], 31, 4
-    engine, _ = train3(zf, saved_at, seed, bf16=bf16)
+    engine, _ = train3(zf, saved_at, seed, bf16=bf16, param=param, path=tmp_path / "p")
     engine.save_checkpoint(str(tmp_path), tag="ck")
     want = run(engine, seed, saved_at + 1, saved_at + more)
     engine.destroy()
-    fresh, *_ = zero_core.initialize(model=zft.Linear(seed + 1), config=config(zf, 3, bf16=bf16))
+    fresh, *_ = zero_core.initialize(model=zft.Linear(seed + 1),
+                                     config=config3(zf, None, bf16, param, tmp_path / "q"))
     fresh.load_checkpoint(str(tmp_path), tag="ck")
     assert fresh.optimizer.t == saved_at
     assert same(run(fresh, seed, saved_at + 1, saved_at + more), want)
@@ -164,13 +199,6 @@ def test_update_interval_auto_at_stage3_decides_as_stage2():
     (h3, a3), (h2, a2) = auto_runs(3), auto_runs(2)
     assert a3 == a2 and len(a2) >= 3
     assert_close(h3, h2, rtol=1e-6, atol=1e-7)
-
-
-def test_offload_param_is_refused_by_name():
-    cfg = config({"update_interval": 2}, 3)
-    cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    with pytest.raises(ConfigError, match="offload_param.device"):
-        zero_core.config.parse_config(cfg)
 
 
 @pytest.mark.multirank
@@ -301,16 +329,19 @@ def test_one_rank_matches_deepspeed(name):
 
 @pytest.mark.multirank
 def test_on_vdev_equal_to_cpu():
-    """One rank on vdev (asynchronous mode): bit-identical to the cpu run."""
+    """One rank on vdev (asynchronous mode): bit-identical to the cpu run, with
+    ``offload_param`` cpu too (device values written into host partitions)."""
     pytest.importorskip("zero_core_vdev", reason="examples/vdev is not installed")
     from zero_core.testing.ranks import run_ranks
     (r,) = run_ranks(__file__, 1, "torchrun", args=["vdev"],
                      env={"ZERO_CORE_ACCELERATOR": "vdev", "VDEV_ASYNC": "1"}, timeout=300)
     assert r.report["device"] == "vdev" and r.report["misplaced"] == []
     _, cpu = train3(CASES["overlap_reselect_offload"], 9, seed=8)
-    got = [{n: torch.tensor(v, dtype=torch.float64).reshape(cpu[0][n].shape)
-            for n, v in h.items()} for h in r.report["history"]]
-    assert same(got, cpu)
+    assert r.report["param_misplaced"] == []
+    for key in ("history", "param_history"):
+        got = [{n: torch.tensor(v, dtype=torch.float64).reshape(cpu[0][n].shape)
+                for n, v in h.items()} for h in r.report[key]]
+        assert same(got, cpu), key
 
 
 def _flat(hist):
@@ -325,9 +356,13 @@ def _rank_main(mode: str) -> None:
     if mode == "vdev":
         from zero_core.testing.device_audit import misplaced
         engine, hist = train3(zf, 9, seed=8)
-        report({"device": engine.device.type, "misplaced": misplaced(engine),
-                "history": _flat(hist)})
+        out = {"device": engine.device.type, "misplaced": misplaced(engine),
+               "history": _flat(hist)}
         engine.destroy()
+        engine, hist = train3(zf, 9, seed=8, param="cpu")   # partitions on the host
+        out.update(param_misplaced=misplaced(engine), param_history=_flat(hist))
+        engine.destroy()
+        report(out)
         return
     zft.SHAPES = SPLIT
     where, seed, saved_at, more = sys.argv[2], 41, 6, 4

@@ -293,7 +293,7 @@ def _parse_zero(raw: Any, world_size: int = 1) -> ZeroConfig:
         **zeropp,
         **many_nodes,
         **offload,
-        zenflow=parse_zenflow(s, stage, offload["offload_optimizer"]),
+        zenflow=parse_zenflow(s, offload["offload_optimizer"]),
     )
 
 

@@ -4,8 +4,8 @@ runtime/zenflow/engine.py), parsed into :class:`~zero_core.config.schema.ZenFlow
 What ZenFlow does is zero_core/offload/zenflow.py's docstring. parser.py calls
 :func:`parse_zenflow` with its ``zero_optimization`` section.
 
-Refused here, each by name: ZenFlow at stage 3 with ``offload_param`` (DeepSpeed has
-it; stage 3 itself is offload/zenflow_stage3.py); ZenFlow without
+Stage 3 (with or without ``offload_param``) is offload/zenflow_stage3.py.
+Refused here, each by name: ZenFlow without
 ``offload_optimizer.device: "cpu"`` (DeepSpeed: "Zenflow must be used with cpu offload"), or
 with partial offload (``ratio`` < 1) or ``super_offload``.
 
@@ -56,7 +56,7 @@ def _strategy(path: str, value: Any) -> str:
     return value
 
 
-def parse_zenflow(zero, stage: int, offload) -> ZenFlowConfig | None:
+def parse_zenflow(zero, offload) -> ZenFlowConfig | None:
     """The section of *zero* (parser.py's ``_Section`` of ``zero_optimization``; *offload*:
     the parsed ``offload_optimizer``), or None when it is absent or null (ZenFlow off)."""
     raw = zero.raw.get("zenflow")
@@ -90,12 +90,6 @@ def parse_zenflow(zero, stage: int, offload) -> ZenFlowConfig | None:
         raise _fail(f"{PATH}.select_interval", cfg.select_interval,
                     f"must be >= update_interval ({cfg.update_interval}): the accumulated "
                     f"gradients are applied before the columns are selected again")
-    param_device = str((zero.raw.get("offload_param") or {}).get("device") or "none").lower()
-    if stage == 3 and param_device != "none":   # ZenFlow at stage 3: offload/zenflow_stage3.py
-        raise _fail("zero_optimization.offload_param.device", param_device,
-                    "not together with ZenFlow yet (its device step updates the selected "
-                    "elements of the device partitions; DeepSpeed has it): set it to \"none\" "
-                    "or remove the zenflow section")
     if offload.device != "cpu":
         raise _fail(PATH, raw, "ZenFlow steps the unselected columns on the host: it needs "
                                "zero_optimization.offload_optimizer.device \"cpu\", as in "

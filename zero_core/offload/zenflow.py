@@ -128,13 +128,14 @@ class ZenFlowOptimizer(OffloadedOptimizer):
     ``ZenFlowConfig``; *device_kernels*: the accelerator's kernel set (the device step)."""
 
     def __init__(self, hyper_groups, rule, buffers, comm, ledger, zero_grad_fn, offload,
-                 sub_group_size, accelerator, rank, zf, device_kernels, device):
+                 sub_group_size, accelerator, rank, zf, device_kernels, device,
+                 param_sink=None):
         if rule.kind != "adam":
             raise ConfigError("zero_optimization.zenflow: ZenFlow steps Adam/AdamW (the "
                               "optimizer DeepSpeed's ZenFlow runs); set optimizer.type to "
                               "Adam or AdamW, or remove the zenflow section")
         super().__init__(hyper_groups, rule, buffers, comm, ledger, zero_grad_fn, offload,
-                         sub_group_size, accelerator, rank)
+                         sub_group_size, accelerator, rank, param_sink=param_sink)
         if not isinstance(self.store, HostStateStore):  # the config refuses it first
             raise ConfigError("zero_optimization.zenflow needs offload_optimizer.device cpu")
         self.zf, self.device, self.dev_kernels = zf, device, device_kernels
@@ -279,8 +280,12 @@ class ZenFlowOptimizer(OffloadedOptimizer):
             if self.zf.offload:
                 m_h.copy_(m)
                 v_h.copy_(v)
-            shard = self._param_shard(j, k)
-            shard.index_copy_(0, idx, w.to(shard.dtype))
+            self._write_selected(key, w)
+
+    def _write_selected(self, key, w) -> None:
+        """The device step's new values *w* of the selected elements into the parameters."""
+        shard = self._param_shard(*key)
+        shard.index_copy_(0, self._idx[key], w.to(shard.dtype))
 
     # ---- selection ----------------------------------------------------------------------------
     def _select(self) -> None:
@@ -410,12 +415,16 @@ class ZenFlowOptimizer(OffloadedOptimizer):
         elements' current device values over it."""
         self.stats["applied"].append((t if window_end is None else window_end, t))
         for key in self.keys:
-            j, k = key
-            shard, master = self._param_shard(j, k), self.store.flat(j, MASTER).bucket(k)
-            shard.copy_(master)
-            self.comm.ledger.record_copy(TRANSFER, shard, master)
-            if key in self._w:
-                shard.index_copy_(0, self._idx[key], self._w[key].to(shard.dtype))
+            self._write_applied(key, self.store.flat(key[0], MASTER).bucket(key[1]))
+
+    def _write_applied(self, key, master) -> None:
+        """The host update into the parameters: *master*, the selected elements' device
+        values over it."""
+        shard = self._param_shard(*key)
+        shard.copy_(master)
+        self.comm.ledger.record_copy(TRANSFER, shard, master)
+        if key in self._w:
+            shard.index_copy_(0, self._idx[key], self._w[key].to(shard.dtype))
 
     def _gather(self) -> None:
         """Every rank's updated shards into every rank's ``param_buf`` (stages 1-2)."""

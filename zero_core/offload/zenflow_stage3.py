@@ -55,15 +55,22 @@ per parameter fragment by stage 3's ``unit_fragments``), so a checkpoint resumes
 bit on the same world size, and on another (or at stage 1-2) as the moments do:
 tests/test_zenflow_stage3.py.
 
-Not here: ``offload_param`` together with ZenFlow (the partitions would live in the
-parameter store, which takes whole pieces, not the selected elements; refused by name in
-config/zenflow_section.py; DeepSpeed has it).
+With ``offload_param`` (offload/params.py's ``ParamOffload``: the partitions in host
+memory, ``device: cpu``, or in swap files, ``nvme``) every update of the partitions goes
+through the store's write path, as the plain offloaded optimizer's does: the host update
+(master, the selected elements' device values over it) as whole partitions through
+``write_piece``; the device step's selected elements into the host partition in place
+(cpu; the indices and values are copied to the host) or, with ``nvme``, into a host copy
+of the partition read from the store and written back whole through ``write_piece``; the
+store's ``flush`` ends each step (and ``flush()``), then the gathered copies are dropped as
+without it. Training is bit-identical to ZenFlow at stage 3 without ``offload_param``
+(tests/test_zenflow_stage3.py).
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from zero_core.errors import ConfigError
+from zero_core.offload.params import TRANSFER as PARAM_TRANSFER
 from zero_core.offload.zenflow import ZenFlowOptimizer
 
 
@@ -78,6 +85,45 @@ class ZenFlowStage3Optimizer(ZenFlowOptimizer):
     def _param_shard(self, j, k):
         return self.buffers[j].param_buf.bucket(k)   # the partition is this rank's slice
 
+    def step(self, closure=None):
+        super().step(closure)
+        if self.param_sink is not None:
+            self.param_sink.flush()   # nvme: every unit's new values are on disk
+
+    # ---- offload_param: the parameter store's write path (module docstring) -------------
+    def _device_step(self) -> None:
+        if self.param_sink is not None and self.param_sink.nvme:
+            self.param_sink.flush()   # a host update written this step is read back whole
+        super()._device_step()
+
+    def _write_selected(self, key, w) -> None:
+        store = self.param_sink
+        if store is None:
+            return super()._write_selected(key, w)
+        gb, k, idx = self.buffers[key[0]], key[1], self.host.idx[key]
+        if not store.nvme:
+            part = gb.units[k].part
+            values = w.to(part.device, part.dtype)
+            part.index_copy_(0, idx.to(part.device), values)
+            self.comm.ledger.record_copy(PARAM_TRANSFER, values, w)
+            return
+        part = store.read_partition(gb, k)
+        values = w.to("cpu", part.dtype)
+        self.comm.ledger.record_copy(PARAM_TRANSFER, values, w)
+        part.index_copy_(0, idx, values)
+        store.write_piece(gb, k, 0, part)
+
+    def _write_applied(self, key, master) -> None:
+        if self.param_sink is None:
+            return super()._write_applied(key, master)
+        values = master
+        if key in self._w:
+            values = master.clone()
+            w = self._w[key].to("cpu", values.dtype)
+            self.comm.ledger.record_copy(PARAM_TRANSFER, w, self._w[key])
+            values.index_copy_(0, self.host.idx[key], w)
+        self.param_sink.write_piece(self.buffers[key[0]], key[1], 0, values)
+
     def _gather(self) -> None:
         """Nothing: the next forward gathers the updated partitions (the engine releases
         the stale gathered copies after the step)."""
@@ -87,6 +133,8 @@ class ZenFlowStage3Optimizer(ZenFlowOptimizer):
         the changed partitions are dropped (collective: every rank calls it)."""
         if self._job is not None:
             self._wait_and_apply(self.t)
+            if self.param_sink is not None:
+                self.param_sink.flush()
             self._partitions_changed()
 
 
@@ -94,10 +142,8 @@ def build_zenflow_stage3(ctx, hyper_groups, rule, parts, zero_grad) -> ZenFlowSt
     """The engine's optimizer for ZenFlow at stage 3 (*parts*: the engine's ``Stage3Parts``;
     engine/optimizer_choice.py decides)."""
     zc = ctx.config.zero_optimization
-    if parts.param_store is not None:   # the config refuses it first
-        raise ConfigError("zero_optimization.zenflow at stage 3 does not combine with "
-                          "zero_optimization.offload_param yet; remove one of them")
     return ZenFlowStage3Optimizer(
         hyper_groups, rule, parts.buffers, ctx.comm, ctx.memory_ledger, zero_grad,
         zc.offload_optimizer, zc.sub_group_size, ctx.accelerator, ctx.rank, zc.zenflow,
-        ctx.kernels, ctx.device, partitions_changed=parts.after_update)
+        ctx.kernels, ctx.device, param_sink=parts.param_store,
+        partitions_changed=parts.after_update)
