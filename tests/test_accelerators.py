@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import os
 import sys
 import zlib
@@ -29,6 +28,7 @@ from zero_core.backends.accelerators.hpu import HpuAccelerator
 from zero_core.backends.accelerators.xpu import XpuAccelerator
 from zero_core.errors import PluginError
 from zero_core.runtime.launch import LaunchInfo
+from float64_optim import adam64, sgd64  # the float64 reference (tests/float64_optim.py)
 
 ALL = (CpuAccelerator, CudaAccelerator, HpuAccelerator, XpuAccelerator)
 MiB = 1 << 20
@@ -207,30 +207,6 @@ def test_available_accelerator_runs_work_streams_and_memory(cls):
 
 
 # ---- kernel sets --------------------------------------------------------------------------
-def _adam64(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, adamw, bias_correction):
-    """Adam/AdamW in float64, written from the paper's formulas (torch.optim semantics)."""
-    p, g, m, v = (t.double().clone() for t in (p, g, m, v))
-    if adamw:
-        p = p * (1 - lr * weight_decay)
-    else:
-        g = g + weight_decay * p
-    m = beta1 * m + (1 - beta1) * g
-    v = beta2 * v + (1 - beta2) * g * g
-    bc1 = 1 - beta1 ** step if bias_correction else 1.0
-    bc2 = 1 - beta2 ** step if bias_correction else 1.0
-    p = p - (lr / bc1) * m / (v.sqrt() / math.sqrt(bc2) + eps)
-    return p, m, v
-
-
-def _sgd64(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, first_step):
-    p, g = p.double().clone(), g.double().clone()
-    g = g + weight_decay * p
-    if momentum:
-        buf = g.clone() if first_step else momentum * buf.double() + (1 - dampening) * g
-        g = g + momentum * buf if nesterov else buf
-    return p - lr * g, buf
-
-
 SETS = {ks.name: ks for ks in kernel_sets.builtin_kernel_sets()}
 
 
@@ -265,7 +241,7 @@ def test_kernel_set_adam_matches_float64_formula(name, adamw, bias_correction):
     for step in (1, 2, 3):
         g = torch.randn(n, generator=gen)
         g_before = g.clone()
-        want = _adam64(p, g, m, v, step=step, **hp)
+        want = adam64(p, g, m, v, step=step, **hp)
         SETS[name].adam_step(p, g, m, v, step=step, param_lowp=lowp, **hp)
         assert torch.equal(g, g_before), "the gradient must only be read"
         for got, ref in zip((p, m, v), want):
@@ -285,7 +261,7 @@ def test_kernel_set_sgd_matches_float64_formula(name, momentum, nesterov):
               weight_decay=0.01, nesterov=nesterov)
     for step in range(3):
         g = torch.randn(n, generator=gen)
-        want_p, ref_buf = _sgd64(p, g, ref_buf, first_step=step == 0, **hp)
+        want_p, ref_buf = sgd64(p, g, ref_buf, first_step=step == 0, **hp)
         SETS[name].sgd_step(p, g, buf, first_step=step == 0, **hp)
         torch.testing.assert_close(p.double(), want_p, rtol=1e-5, atol=1e-6)
         if momentum:

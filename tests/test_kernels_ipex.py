@@ -9,7 +9,7 @@ low-precision copy, and the self-check's fallback to optim_cpu when the op is wr
 deliberately broken stand-in). The registry is checked with ipex.state() faked (absent,
 mismatched, matching). The tests marked ``needs_ipex`` run the real ops; they need torch 2.8
 + intel-extension-for-pytorch 2.8 (ci/torch_range.sh's ipex leg) and skip elsewhere.
-Expected values come from float64 recurrences written here, on fresh random inputs.
+Expected values come from the float64 recurrences of tests/float64_optim.py, on fresh random inputs.
 """
 from __future__ import annotations
 
@@ -24,34 +24,12 @@ from zero_core.accel_kernels import optim_cpu, optim_ipex
 from zero_core.backends import kernel_sets
 from zero_core.backends.accelerators import ipex
 from zero_core.errors import ConfigError
+from float64_optim import adam64, sgd64  # the float64 reference (tests/float64_optim.py)
 
 IPEX_OK = ipex.state()[0] == "ok"
 needs_ipex = pytest.mark.skipif(not IPEX_OK, reason=f"needs a matching IPEX ({ipex.state()[1]}); "
                                 "run it in ci/torch_range.sh's ipex leg")
 ADAM = dict(lr=3e-3, beta1=0.9, beta2=0.99, eps=1e-3, weight_decay=0.05)
-
-
-# ---------------------------------------------------------------- float64 references
-def adam64(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, adamw, bias_correction):
-    p, g, m, v = (t.double().clone() for t in (p, g, m, v))
-    if adamw:
-        p = p * (1 - lr * weight_decay)
-    else:
-        g = g + weight_decay * p
-    m = beta1 * m + (1 - beta1) * g
-    v = beta2 * v + (1 - beta2) * g * g
-    c1 = 1 - beta1 ** step if bias_correction else 1.0
-    c2 = 1 - beta2 ** step if bias_correction else 1.0
-    return p - (lr / c1) * m / (v.sqrt() / math.sqrt(c2) + eps), m, v
-
-
-def sgd64(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, first_step):
-    p, g = p.double().clone(), g.double().clone()
-    g = g + weight_decay * p
-    if momentum:
-        buf = g.clone() if first_step else momentum * buf.double() + (1 - dampening) * g
-        g = g + momentum * buf if nesterov else buf
-    return p - lr * g, buf
 
 
 # ---------------------------------------------------------------- the stand-in ops

@@ -11,7 +11,7 @@ flavours and the results must be right with either:
 * FusedSGD: the first momentum step of an object taken from its own counter (buffer :=
   gradient) or a plain ``buf = mu buf + (1 - dampening) d`` on every step.
 
-The expected values come from float64 recurrences written here (torch.optim semantics),
+The expected values come from the float64 recurrences of tests/float64_optim.py (torch.optim semantics),
 run free over many steps, independently of optim_reference and of the stand-in.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch.optim.optimizer import required
 
 from zero_core.accel_kernels import optim_hpu
 from zero_core.backends import kernel_sets
+from float64_optim import adam64, sgd64  # the float64 reference (tests/float64_optim.py)
 
 SIZES = [1, 7, 1023, 4099]
 HPEX = "habana_frameworks.torch.hpex.optimizers"
@@ -152,28 +153,6 @@ def habana(monkeypatch):
     flavour()
     yield flavour
     optim_hpu.forget_drivers()
-
-
-# ---------------------------------------------------------------- float64 recurrences
-def adam64(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, adamw, bias_correction):
-    g = g.double()
-    if weight_decay and not adamw:
-        g = g + weight_decay * p
-    if weight_decay and adamw:
-        p = p * (1 - lr * weight_decay)
-    m = beta1 * m + (1 - beta1) * g
-    v = beta2 * v + (1 - beta2) * g * g
-    c1 = 1 - beta1 ** step if bias_correction else 1.0
-    c2 = 1 - beta2 ** step if bias_correction else 1.0
-    return p - (lr / c1) * m / ((v / c2).sqrt() + eps), m, v
-
-
-def sgd64(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, first_step):
-    d = g.double() + weight_decay * p
-    if momentum:
-        buf = d if first_step else momentum * buf + (1 - dampening) * d
-        d = d + momentum * buf if nesterov else buf
-    return p - lr * d, buf
 
 
 def close(got, want, what, rtol=2e-5, atol=2e-6):

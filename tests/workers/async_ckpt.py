@@ -86,8 +86,11 @@ def snapshot(d, variant="s2"):
     train(engine, loader, 3)
     engine.save_checkpoint(os.path.join(d, "a"), tag="t", async_save=False)
     engine.save_checkpoint(os.path.join(d, "b"), tag="t", async_save=True)
+    # the commit comes at the first step after every rank's writer finished; the writer runs
+    # at the lowest priority, so on a loaded machine that can take a few dozen of these
+    # millisecond steps (3 were too few under CI load): same count on every rank
     appeared = None
-    for step in range(3):
+    for step in range(40):
         train(engine, loader, 1)
         if appeared is None and os.path.exists(os.path.join(d, "b", "t", store.METADATA)):
             appeared = step + 1
