@@ -140,16 +140,22 @@ def test_checkpoint_saved_split_resumes_full_and_unoffloaded(stage, tmp_path):
         same(again, cont)
 
 
-def test_write_back_reaches_the_device_part():
-    """A GatheredParameters modification at stage 3 lands in the master the device steps."""
+def halve_through_gathered(*engines) -> None:
+    """Halve every parameter of each stage-3 engine inside a GatheredParameters modifier
+    block (a write that must reach the master wherever its sub-group steps)."""
     from zero_core.stage3 import GatheredParameters
-    eng, _ = train(config(3, 0.0), steps=1)
-    ref, _ = train(config(3, None), steps=1)
-    for e in (eng, ref):
+    for e in engines:
         with GatheredParameters(list(e.module.parameters()), modifier_rank=0):
             with torch.no_grad():
                 for p in e.module.parameters():
                     p.mul_(0.5)
+
+
+def test_write_back_reaches_the_device_part():
+    """A GatheredParameters modification at stage 3 lands in the master the device steps."""
+    eng, _ = train(config(3, 0.0), steps=1)
+    ref, _ = train(config(3, None), steps=1)
+    halve_through_gathered(eng, ref)
     _, a = train(None, engine=eng, steps=2, start=1)
     _, b = train(None, engine=ref, steps=2, start=1)
     same(a, b)
@@ -184,7 +190,6 @@ def test_nvme_split_equals_plain_nvme(stage, precision, tmp_path):
 def test_nvme_split_checkpoint_and_write_back(tmp_path):
     """Saved from swap files + device, loaded into cpu offload and into another NVMe split:
     the same continuation; a stage-3 write-back reaches the swap files and the device part."""
-    from zero_core.stage3 import GatheredParameters
     eng, _ = train(nvme(config(3, 0.5), tmp_path / "swap"), steps=2)
     ref, _ = train(config(3, None), steps=2)
     eng.save_checkpoint(str(tmp_path / "ck"), tag="t")
@@ -196,11 +201,7 @@ def test_nvme_split_checkpoint_and_write_back(tmp_path):
         e2.load_checkpoint(str(tmp_path / "ck"), tag="t")
         _, again = train(None, engine=e2, steps=2, start=2)
         same(again, cont)
-    for e in (eng, ref):
-        with GatheredParameters(list(e.module.parameters()), modifier_rank=0):
-            with torch.no_grad():
-                for p in e.module.parameters():
-                    p.mul_(0.5)
+    halve_through_gathered(eng, ref)
     _, a = train(None, engine=eng, steps=2, start=4)
     _, b = train(None, engine=ref, steps=2, start=4)
     same(a, b)

@@ -161,14 +161,8 @@ def rank_main(name: str, out: str) -> None:
         losses.append(float(total) / world)
     scaler = (getattr(engine, "torch_autocast_z0_gradscaler", None)
               or getattr(engine.optimizer, "torch_autocast_gradscaler", None))
-    masters = {}
-    opt = engine.optimizer
-    if hasattr(opt, "fp32_groups_flat") and hasattr(opt, "fp16_groups"):
-        for flat, group in zip(opt.fp32_groups_flat, opt.fp16_groups):
-            pos = 0
-            for p in group:
-                masters[id(p)] = flat[pos:pos + p.numel()].view(p.shape)
-                pos += p.numel()
+    from ds_common import stage0_masters
+    masters = stage0_masters(engine)
     final = {}
     for n, p in engine.module.named_parameters():
         v = masters.get(id(p))
@@ -190,7 +184,7 @@ def rank_main(name: str, out: str) -> None:
 
 
 def run_case(name: str, work: str) -> dict:
-    from ds_launch import run_ranks
+    from ds_common import run_ranks
     out = os.path.join(work, f"{name}.json")
     run_ranks(__file__, ["--rank", name, out], RANKS, f"case {name}")
     with open(out) as fh:

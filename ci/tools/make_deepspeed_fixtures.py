@@ -147,14 +147,8 @@ def rank_main(stage: int, precision: str, out: str) -> None:
 
     def fp32_params():
         out_ = {}
-        masters = {}  # stage 0 bf16/fp16: DeepSpeed's FP16_Optimizer keeps flat fp32 groups
-        opt = engine.optimizer
-        if hasattr(opt, "fp32_groups_flat") and hasattr(opt, "fp16_groups"):
-            for flat, group in zip(opt.fp32_groups_flat, opt.fp16_groups):
-                pos = 0
-                for p in group:
-                    masters[id(p)] = flat[pos:pos + p.numel()].view(p.shape)
-                    pos += p.numel()
+        from ds_common import stage0_masters
+        masters = stage0_masters(engine)
         for n, p in engine.module.named_parameters():
             v = masters.get(id(p))
             if v is None and p.requires_grad:
@@ -198,7 +192,7 @@ def rank_main(stage: int, precision: str, out: str) -> None:
 
 # ---- the driver ----------------------------------------------------------------------------------
 def run_case(stage: int, precision: str, work: str) -> None:
-    from ds_launch import run_ranks
+    from ds_common import run_ranks
     run_ranks(__file__, ["--rank", str(stage), precision, work], RANKS,
               f"case {case_name(stage, precision)}")
 

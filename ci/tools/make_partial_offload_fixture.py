@@ -158,7 +158,7 @@ def rank_main(name: str, out: str) -> None:
 
 
 def run_case(name: str, work: str) -> dict:
-    from ds_launch import run_ranks
+    from ds_common import run_ranks
     out = os.path.join(work, f"{name}.json")
     run_ranks(__file__, ["--rank", name, out], RANKS, f"case {name}")
     with open(out) as fh:

@@ -193,7 +193,7 @@ def unpatched_first_grad_finite() -> bool:
 
 
 def run(args: list[str], world: int) -> None:
-    from ds_launch import run_ranks
+    from ds_common import run_ranks
     run_ranks(__file__, args, world, str(args))
 
 

@@ -125,7 +125,7 @@ def _rank(update_interval: int, out: str) -> None:
 
 
 def main(names: list[str]) -> None:
-    from ds_launch import run_ranks
+    from ds_common import run_ranks
     fixture = json.load(open(OUT)) if os.path.exists(OUT) else {}
     fixture["cases"] = fixture.get("cases", {})
     for name in names:
